@@ -1,0 +1,42 @@
+"""The engine interface every model backend implements."""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aserve.config import ModelConfig
+
+
+class Engine(abc.ABC):
+    """Runs one model version. Thread-safety contract:
+
+    - ``load`` and ``unload`` run once, off the event loop, never concurrently
+      with ``run``.
+    - ``create_instance`` runs on each executor thread as it starts; what it
+      returns (thread settings, a CUDA stream, staging buffers) is handed back
+      to every ``run`` on that thread.
+    - ``run`` may run concurrently on several instance threads.
+    """
+
+    def __init__(self, config: ModelConfig, model_path: Path) -> None:
+        self.config = config
+        self.model_path = model_path
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """Load weights onto the device. Raise with a clear message on failure."""
+
+    def create_instance(self, index: int) -> Any:
+        """Per-thread state for instance ``index``; called on that thread."""
+        return None
+
+    @abc.abstractmethod
+    def run(self, inputs: dict[str, np.ndarray], instance: Any) -> dict[str, np.ndarray]:
+        """Run one batch: named arrays with the batch dimension in, named arrays out."""
+
+    def unload(self) -> None:  # noqa: B027 - optional hook
+        """Release the model's memory."""

@@ -1,0 +1,54 @@
+"""Stacking request inputs into one batch and checking what the model returned.
+
+Runs on executor threads: the loop only slices the outputs back apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from aserve.codecs.datatypes import numpy_dtype
+from aserve.config import TensorSpec
+
+
+def stack_inputs(
+    parts: Sequence[dict[str, np.ndarray]], specs: Sequence[TensorSpec]
+) -> dict[str, np.ndarray]:
+    """Concatenate each input along the batch dimension, in request order."""
+    if len(parts) == 1:
+        only = parts[0]
+        # Arrays decoded straight from a request body are read-only views;
+        # torch wants memory it may write to.
+        return {s.name: _writable(only[s.name]) for s in specs}
+    return {s.name: np.concatenate([p[s.name] for p in parts]) for s in specs}
+
+
+def _writable(arr: np.ndarray) -> np.ndarray:
+    return arr if arr.flags.writeable else arr.copy()
+
+
+def check_outputs(
+    outputs: dict[str, np.ndarray], specs: Sequence[TensorSpec], batch_size: int, model: str
+) -> None:
+    """Raise ``ValueError`` naming the output when the model broke its declared contract."""
+    for spec in specs:
+        arr = outputs.get(spec.name)
+        if arr is None:
+            raise ValueError(f"model '{model}' did not produce output '{spec.name}'")
+        want = numpy_dtype(spec.datatype)
+        if arr.dtype != want and not (want.kind == "O" and arr.dtype.kind in "OSU"):
+            raise ValueError(
+                f"model '{model}' output '{spec.name}' has dtype {arr.dtype}, "
+                f"but the config declares {spec.datatype}"
+            )
+        if (
+            arr.ndim != len(spec.shape) + 1
+            or arr.shape[0] != batch_size
+            or any(d != -1 and d != got for d, got in zip(spec.shape, arr.shape[1:], strict=True))
+        ):
+            raise ValueError(
+                f"model '{model}' output '{spec.name}' has shape {list(arr.shape)}, expected "
+                f"[{batch_size}, {', '.join(map(str, spec.shape))}] for a batch of {batch_size}"
+            )

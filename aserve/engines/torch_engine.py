@@ -1,0 +1,148 @@
+"""The PyTorch engine: TorchScript (``.pt``) and ``torch.export`` programs (``.pt2``).
+
+Neither format unpickles arbitrary objects. On CUDA every instance thread
+runs on its own ``torch.cuda.Stream`` and stages inputs and outputs through
+pinned host buffers with non-blocking copies, so instances overlap copies
+and compute instead of serializing on the default stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from aserve.codecs.datatypes import numpy_dtype
+from aserve.config import ModelConfig
+from aserve.engines.base import Engine
+
+log = logging.getLogger("aserve.engines.torch")
+
+
+class _Instance:
+    """Per-thread state: the CUDA stream and pinned staging buffers (None on CPU)."""
+
+    __slots__ = ("pinned_in", "stream")
+
+    def __init__(self, stream: Any, pinned_in: dict[str, torch.Tensor]) -> None:
+        self.stream = stream
+        self.pinned_in = pinned_in
+
+
+class TorchEngine(Engine):
+    def __init__(self, config: ModelConfig, model_path: Path) -> None:
+        super().__init__(config, model_path)
+        self.device = torch.device(config.device)
+        self._module: Any = None
+        self._in_names = [s.name for s in config.inputs]
+        self._out_names = [s.name for s in config.outputs]
+
+    def load(self) -> None:
+        cfg, path = self.config, self.model_path
+        for spec in (*cfg.inputs, *cfg.outputs):
+            if spec.datatype == "BYTES":
+                raise ValueError(f"the torch engine cannot take BYTES tensors ('{spec.name}')")
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    f"device '{cfg.device}' requested, but this torch ({torch.__version__}) "
+                    "sees no CUDA device"
+                )
+            index = self.device.index or 0
+            if index >= torch.cuda.device_count():
+                raise RuntimeError(
+                    f"device '{cfg.device}' requested, but only "
+                    f"{torch.cuda.device_count()} CUDA device(s) are visible"
+                )
+        if not path.is_file():
+            raise FileNotFoundError(f"model file not found: {path}")
+        if path.suffix == ".pt2":
+            program = torch.export.load(str(path))
+            module = program.module()
+            self._module = module.to(self.device)
+        else:
+            with warnings.catch_warnings():
+                # torch 2.13 warns that TorchScript is deprecated on every load.
+                warnings.simplefilter("ignore", category=DeprecationWarning)
+                warnings.filterwarnings("ignore", message=".*TorchScript.*")
+                module = torch.jit.load(str(path), map_location=self.device)
+            module.eval()
+            self._module = module
+
+    def create_instance(self, index: int) -> _Instance:
+        # Intra-op threads are set per thread: each instance thread runs its own pool.
+        torch.set_num_threads(self.config.cpu_threads)
+        if self.device.type != "cuda":
+            return _Instance(None, {})
+        torch.cuda.set_device(self.device)
+        stream = torch.cuda.Stream(device=self.device)
+        max_batch = self.config.batching.max_batch_size
+        pinned = {}
+        for spec in self.config.inputs:
+            if -1 not in spec.shape:  # fixed shapes get a staging buffer sized for max batch
+                dtype = torch.from_numpy(np.zeros(0, numpy_dtype(spec.datatype))).dtype
+                pinned[spec.name] = torch.empty(
+                    (max_batch, *spec.shape), dtype=dtype, pin_memory=True
+                )
+        return _Instance(stream, pinned)
+
+    def run(self, inputs: dict[str, np.ndarray], instance: _Instance) -> dict[str, np.ndarray]:
+        with torch.inference_mode():
+            if instance.stream is None:
+                result = self._module(*[torch.from_numpy(inputs[n]) for n in self._in_names])
+                return {
+                    n: t.numpy()
+                    for n, t in zip(self._out_names, self._as_list(result), strict=True)
+                }
+            return self._run_cuda(inputs, instance)
+
+    def _run_cuda(self, inputs: dict[str, np.ndarray], inst: _Instance) -> dict[str, np.ndarray]:
+        stream = inst.stream
+        with torch.cuda.stream(stream):
+            args = []
+            for name in self._in_names:
+                host = torch.from_numpy(inputs[name])
+                staging = inst.pinned_in.get(name)
+                if staging is not None:
+                    staging = staging[: host.shape[0]]
+                    staging.copy_(host)
+                else:
+                    staging = host.pin_memory()
+                args.append(staging.to(self.device, non_blocking=True))
+            outs = []
+            for t in self._as_list(self._module(*args)):
+                dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                dst.copy_(t, non_blocking=True)
+                outs.append(dst)
+        # The only wait: this instance's own stream, not the whole device.
+        stream.synchronize()
+        return {n: t.numpy() for n, t in zip(self._out_names, outs, strict=True)}
+
+    def _as_list(self, result: Any) -> list[torch.Tensor]:
+        if isinstance(result, torch.Tensor):
+            result = [result]
+        elif isinstance(result, dict):
+            missing = [n for n in self._out_names if n not in result]
+            if missing:
+                names = ", ".join(missing)
+                raise ValueError(f"model '{self.config.name}' returned no output(s) {names}")
+            result = [result[n] for n in self._out_names]
+        elif not isinstance(result, (list, tuple)):
+            raise ValueError(
+                f"model '{self.config.name}' returned {type(result).__name__}, not tensors"
+            )
+        if len(result) != len(self._out_names):
+            raise ValueError(
+                f"model '{self.config.name}' returned {len(result)} output(s), "
+                f"the config declares {len(self._out_names)}"
+            )
+        return list(result)
+
+    def unload(self) -> None:
+        self._module = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

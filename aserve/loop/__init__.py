@@ -1,0 +1,5 @@
+"""The asyncio core: requests, the thread-to-loop handoff, model runtimes and the server lifecycle.
+
+Everything in this package runs on the event loop, except ``handoff.py``,
+whose functions are the only ones executor threads may call.
+"""

@@ -1,0 +1,163 @@
+"""One served model version: engine, executor threads, batcher and statistics.
+
+Loading, warming and unloading run the blocking parts off the loop; requests
+enter through :meth:`ModelRuntime.submit` on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aserve import builtin_models
+from aserve.codecs.datatypes import numpy_dtype
+from aserve.config import ModelConfig
+from aserve.engines import create_engine
+from aserve.engines.executor import BatchJob, ExecutorPool
+from aserve.errors import Unavailable
+from aserve.loop.request import InferenceRequest
+from aserve.scheduler.batcher import Batcher
+from aserve.stats import ModelStats
+
+log = logging.getLogger("aserve.model")
+
+PLATFORMS = {"torch": "pytorch_torchscript"}
+
+
+class ModelState(enum.Enum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class ModelRuntime:
+    def __init__(self, config: ModelConfig, base_dir: Path) -> None:
+        self.config = config
+        self.name = config.name
+        self.version = config.version
+        self.label = f"{config.name}/{config.version}"
+        self.state = ModelState.LOADING
+        self.stats = ModelStats(config.name, config.version)
+        self.input_specs = {s.name: s for s in config.inputs}
+        self.output_specs = {s.name: s for s in config.outputs}
+        self.max_batch_size = config.batching.max_batch_size
+        self.default_timeout_s = config.batching.timeout_ms / 1000.0
+        # Only models with a variable dimension need per-request shape grouping.
+        self.variable_shapes = any(-1 in s.shape for s in config.inputs)
+        self._base_dir = base_dir
+        self._pool: ExecutorPool | None = None
+        self.batcher: Batcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ModelState.READY
+
+    def model_path(self) -> Path:
+        """Where the weights are; builds builtin models. Blocking: call off the loop."""
+        path = self.config.path
+        if path.startswith(builtin_models.PREFIX):
+            return builtin_models.resolve(path[len(builtin_models.PREFIX) :])
+        return (self._base_dir / path).resolve()
+
+    async def load(self) -> None:
+        """Load, start the instances and warm up; the model is READY afterwards."""
+        t0 = time.perf_counter()
+        path = await asyncio.to_thread(self.model_path)
+        engine = create_engine(self.config, path)
+        await asyncio.to_thread(engine.load)
+        self._pool = ExecutorPool(engine, self.config.instances, self.name)
+        await self._pool.start()
+        self.batcher = Batcher(self.label, self.config.batching, self._pool, self.stats)
+        await self._warm_up()
+        self.state = ModelState.READY
+        log.info(
+            "model %s loaded from %s on %s (%d instance(s), %.2fs); batch latency %s",
+            self.label, path, self.config.device, self.config.instances,
+            time.perf_counter() - t0,
+            {k: f"{v * 1e3:.2f}ms" for k, v in self.batcher.latency.snapshot().items()},
+        )  # fmt: skip
+
+    async def _warm_up(self) -> None:
+        """Run each preferred batch size (and 1 and the max) on every instance.
+
+        The first pass pays one-time costs (allocation, TorchScript profiling);
+        the second pass seeds the batcher's latency estimates.
+        """
+        assert self._pool is not None and self.batcher is not None
+        b = self.config.batching
+        sizes = sorted({1, *b.preferred_batch_sizes, b.max_batch_size})
+        loop = asyncio.get_running_loop()
+        for measure in (False, True):
+            for size in sizes:
+                inputs = {s.name: _dummy(s.datatype, s.shape, size) for s in self.config.inputs}
+                futures = []
+                for _ in range(self.config.instances):
+                    fut: asyncio.Future[BatchJob] = loop.create_future()
+                    futures.append(fut)
+                    started = time.perf_counter()
+                    self._pool.submit(BatchJob([inputs], size, _settle_job, (fut, started)))
+                for job in await asyncio.gather(*futures):
+                    if job.error is not None:
+                        raise RuntimeError(f"warm-up with batch size {size} failed: {job.error}")
+                    if measure:
+                        self.batcher.latency.observe(size, job.tag[2])
+
+    def submit(self, req: InferenceRequest) -> None:
+        if self.state is not ModelState.READY or self.batcher is None:
+            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+        self.batcher.submit(req)
+
+    @property
+    def busy(self) -> bool:
+        return self.batcher is not None and not self.batcher.idle
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "versions": [self.version],
+            "platform": PLATFORMS[self.config.engine],
+            "inputs": [_tensor_meta(s.name, s.datatype, s.shape) for s in self.config.inputs],
+            "outputs": [_tensor_meta(s.name, s.datatype, s.shape) for s in self.config.outputs],
+        }
+
+    def statistics(self) -> dict[str, Any]:
+        b = self.batcher
+        return self.stats.as_dict(b.pending if b else 0, b.running if b else 0)
+
+    async def unload(self) -> None:
+        """Refuse new work, let running batches end, stop threads, free the model."""
+        self.state = ModelState.UNLOADING
+        if self.batcher is not None:
+            self.batcher.close()
+        if self._pool is not None:
+            await self._pool.stop()
+            await asyncio.to_thread(self._pool.engine.unload)
+        self.state = ModelState.UNAVAILABLE
+
+
+def _settle_job(job: BatchJob) -> None:
+    fut, started = job.tag
+    job.tag = (fut, started, time.perf_counter() - started)
+    if not fut.done():
+        fut.set_result(job)
+
+
+def _tensor_meta(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
+    # Every model has a batch dimension, reported as variable.
+    return {"name": name, "datatype": datatype, "shape": [-1, *shape]}
+
+
+def _dummy(datatype: str, shape: list[int], batch: int) -> np.ndarray:
+    dims = (batch, *(1 if d == -1 else d for d in shape))
+    if datatype == "BYTES":
+        arr = np.empty(dims, dtype=object)
+        arr.fill(b"")
+        return arr
+    return np.zeros(dims, dtype=numpy_dtype(datatype))

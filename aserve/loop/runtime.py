@@ -1,0 +1,109 @@
+"""The server's lifecycle: starting -> ready -> draining -> stopped.
+
+Startup loads and warms every model before readiness turns true. SIGINT or
+SIGTERM starts a graceful stop: readiness turns false, the listeners close,
+in-flight requests finish (bounded by ``drain_timeout_s``), then the models
+unload in reverse order of loading. A second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import signal
+from pathlib import Path
+
+from aserve.config import ServerConfig
+from aserve.frontends.http import HttpFrontend
+from aserve.loop.model import ModelRuntime
+from aserve.loop.registry import ModelRegistry
+
+log = logging.getLogger("aserve.server")
+
+
+class ServerState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class StartupError(Exception):
+    """A model could not be loaded; the message says which and why."""
+
+
+class Server:
+    def __init__(self, config: ServerConfig, base_dir: Path) -> None:
+        self.config = config
+        self.base_dir = base_dir
+        self.state = ServerState.STARTING
+        self.registry = ModelRegistry()
+        self.http = HttpFrontend(self)
+        self._stop_requested: asyncio.Event | None = None
+        self._loaded: list[ModelRuntime] = []
+
+    def not_ready_reason(self) -> str | None:
+        """Why the server is not ready, or None when it is."""
+        if self.state is not ServerState.READY:
+            return f"server is {self.state.value}"
+        down = [rt.label for rt in self.registry if not rt.ready]
+        return f"model(s) not ready: {', '.join(down)}" if down else None
+
+    async def start(self) -> None:
+        """Load and warm every model, then open the listeners."""
+        runtimes = [ModelRuntime(m, self.base_dir) for m in self.config.models]
+        results = await asyncio.gather(*(rt.load() for rt in runtimes), return_exceptions=True)
+        failed = []
+        for rt, result in zip(runtimes, results, strict=True):
+            if isinstance(result, BaseException):
+                failed.append(f"model '{rt.label}' failed to load: {result}")
+            else:
+                self._loaded.append(rt)
+                self.registry.add(rt)
+        if failed:
+            await self._unload_all()
+            raise StartupError("\n".join(failed))
+        await self.http.start()
+        self.state = ServerState.READY
+        log.info("ready: %d model(s) serving", len(self._loaded))
+
+    async def run(self) -> None:
+        """Start, serve until SIGINT/SIGTERM, then drain and stop."""
+        self._stop_requested = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            await self.start()
+            await self._stop_requested.wait()
+        finally:
+            await self.stop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.state is ServerState.DRAINING:
+            log.warning("second %s: stopping without waiting for in-flight requests", sig.name)
+            raise SystemExit(1)
+        log.info("%s received: draining", sig.name)
+        assert self._stop_requested is not None
+        self._stop_requested.set()
+
+    async def stop(self) -> None:
+        if self.state is ServerState.STOPPED:
+            return
+        was_serving = self.state is ServerState.READY
+        self.state = ServerState.DRAINING
+        if was_serving:
+            # Closes the listeners, then waits for in-flight handlers (their
+            # requests are still being batched: models stay loaded until after).
+            await self.http.stop()
+        await self._unload_all()
+        self.state = ServerState.STOPPED
+        log.info("stopped")
+
+    async def _unload_all(self) -> None:
+        for rt in reversed(self._loaded):
+            await rt.unload()
+        self._loaded.clear()

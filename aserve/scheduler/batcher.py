@@ -1,0 +1,323 @@
+"""The loop-side batcher of one model: queue, admission, timers, dispatch.
+
+Runs on the event loop only. The decisions come from :mod:`.policy`; this
+module keeps the state they need and carries them out:
+
+- ``submit`` admits a request or refuses it at once (queue full, or its
+  deadline cannot be met given the queue ahead and measured latencies).
+- The queue is a heap by deadline. Cancelled requests are marked and skipped
+  lazily; expired ones are answered with a timeout when they reach the top,
+  and a timer wakes the batcher at the earliest deadline so none waits long.
+- Times are ``time.monotonic()`` seconds (uvloop's ``loop.time()`` has only
+  millisecond resolution, too coarse for latency estimates); timers are armed
+  with ``call_later``.
+- ``_pump`` runs the policy whenever something changes: an arrival (coalesced
+  with ``call_soon``, so requests parsed in the same loop pass batch
+  together), a finished batch, or a timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import time
+from collections import deque
+from time import monotonic
+
+from aserve.config import BatchingConfig
+from aserve.engines.executor import BatchJob, ExecutorPool
+from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
+from aserve.loop.request import InferenceRequest
+from aserve.scheduler.latency import ArrivalRate, LatencyModel
+from aserve.scheduler.policy import BatchLimits, QueueView, plan, predicted_finish
+from aserve.stats import ModelStats
+
+log = logging.getLogger("aserve.batcher")
+
+
+class _Running:
+    """A batch in an executor thread, as the loop tracks it."""
+
+    __slots__ = ("expected_end", "requests", "size", "started", "timer")
+
+    def __init__(
+        self, requests: list[InferenceRequest], size: int, started: float, expected_end: float
+    ):
+        self.requests = requests
+        self.size = size
+        self.started = started
+        self.expected_end = expected_end
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class Batcher:
+    def __init__(
+        self,
+        label: str,
+        batching: BatchingConfig,
+        pool: ExecutorPool,
+        stats: ModelStats,
+    ) -> None:
+        self.label = label  # "name/version", for messages
+        self.limits = BatchLimits.build(
+            batching.max_batch_size, batching.max_delay_ms, batching.preferred_batch_sizes
+        )
+        self.max_queue_size = batching.max_queue_size
+        self.latency = LatencyModel(batching.max_batch_size)
+        self._rate = ArrivalRate()
+        self._pool = pool
+        self._stats = stats
+        self._loop = asyncio.get_running_loop()
+        self._heap: list[InferenceRequest] = []  # by deadline; may hold stale entries
+        self._fifo: deque[InferenceRequest] = deque()  # by arrival; may hold stale entries
+        self._queued_requests = 0
+        self._queued_items = 0
+        self._free = pool.instances
+        self._running: set[_Running] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._pump_soon = False
+        self._closed = False
+
+    # --- state seen by others -------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting in the queue."""
+        return self._queued_requests
+
+    @property
+    def running(self) -> int:
+        """Batches in executor threads."""
+        return len(self._running)
+
+    @property
+    def idle(self) -> bool:
+        return self._queued_requests == 0 and not self._running
+
+    # --- requests in ----------------------------------------------------------
+
+    def submit(self, req: InferenceRequest) -> None:
+        """Queue ``req`` or raise at once (QueueFull / Unavailable / DeadlineExceeded)."""
+        if self._closed:
+            raise Unavailable(f"model '{self.label}' is unloading")
+        now = req.arrival
+        if self._queued_requests >= self.max_queue_size:
+            self._stats.rejected["queue_full"] += 1
+            raise QueueFull(
+                f"model '{self.label}' queue is full: {self._queued_requests} requests waiting "
+                f"(max_queue_size {self.max_queue_size}); retry later"
+            )
+        if req.deadline <= now:
+            raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
+        if self.latency.known:
+            first_free = now if self._free > 0 else min(r.expected_end for r in self._running)
+            finish = predicted_finish(
+                now, self._queued_items, req.batch_size, self._pool.instances,
+                first_free, self.limits, self.latency.estimate,
+            )  # fmt: skip
+            if finish > req.deadline:
+                self._stats.rejected["deadline_unmeetable"] += 1
+                raise Unavailable(
+                    f"model '{self.label}' cannot meet the request's deadline: "
+                    f"{(req.deadline - now) * 1e3:.1f} ms left, but "
+                    f"{self._queued_requests} queued request(s) and the measured batch "
+                    f"latencies predict {(finish - now) * 1e3:.1f} ms"
+                )
+        req.queued = True
+        heapq.heappush(self._heap, req)
+        self._fifo.append(req)
+        self._queued_requests += 1
+        self._queued_items += req.batch_size
+        self._rate.observe(now)
+        if not self._pump_soon:
+            self._pump_soon = True
+            self._loop.call_soon(self._pump)
+
+    def forget(self, req: InferenceRequest) -> None:
+        """The client went away: take ``req`` out of the queue (its future is already done)."""
+        if req.queued:
+            self._unqueue(req)
+            self._stats.cancelled += 1
+            self._compact()
+
+    def _unqueue(self, req: InferenceRequest) -> None:
+        req.queued = False
+        self._queued_requests -= 1
+        self._queued_items -= req.batch_size
+
+    def _compact(self) -> None:
+        # Stale heap entries are skipped lazily; rebuild when they dominate so a
+        # storm of cancellations cannot grow memory without bound.
+        if len(self._heap) > 2 * self._queued_requests + 64:
+            self._heap = [r for r in self._heap if r.queued]
+            heapq.heapify(self._heap)
+            self._fifo = deque(r for r in self._fifo if r.queued)
+
+    # --- deciding -------------------------------------------------------------
+
+    def _pump(self) -> None:
+        self._pump_soon = False
+        now = monotonic()
+        self._expire_queued(now)
+        wake_at: float | None = None
+        while self._queued_requests and self._free > 0:
+            fifo = self._fifo
+            while not fifo[0].queued:
+                fifo.popleft()
+            view = QueueView(self._queued_items, fifo[0].arrival, self._heap[0].deadline)
+            decision = plan(now, view, self._free, self.limits, self.latency.estimate,
+                            self._rate.per_second(now))  # fmt: skip
+            if decision.take == 0:
+                wake_at = decision.wake_at
+                break
+            self._dispatch(self._form(decision.take, now), now)
+        self._arm_timer(wake_at)
+
+    def _expire_queued(self, now: float) -> None:
+        heap = self._heap
+        while heap and (not heap[0].queued or heap[0].deadline <= now):
+            req = heapq.heappop(heap)
+            if req.queued:
+                self._unqueue(req)
+                self._stats.timed_out += 1
+                _fail(req, DeadlineExceeded(
+                    f"request timed out after {(now - req.arrival) * 1e3:.1f} ms waiting in the "
+                    f"queue of '{self.label}'"
+                ))  # fmt: skip
+
+    def _form(self, take: int, now: float) -> list[InferenceRequest]:
+        """Pop up to ``take`` items of one input shape, earliest deadline first."""
+        heap, picked, aside = self._heap, [], []
+        items, key = 0, None
+        while heap and items < take:
+            req = heap[0]
+            if not req.queued:
+                heapq.heappop(heap)
+                continue
+            if key is None:
+                key = req.shape_key
+            elif req.shape_key != key:
+                aside.append(heapq.heappop(heap))  # other shapes wait for their own batch
+                continue
+            if picked and items + req.batch_size > take:
+                break
+            heapq.heappop(heap)
+            self._unqueue(req)
+            picked.append(req)
+            items += req.batch_size
+        for req in aside:
+            heapq.heappush(heap, req)
+        return picked
+
+    def _dispatch(self, picked: list[InferenceRequest], now: float) -> None:
+        size = 0
+        queue_ns = 0
+        for req in picked:
+            size += req.batch_size
+            queue_ns += int((now - req.arrival) * 1e9)
+        self._stats.queue.add(queue_ns, len(picked))
+        running = _Running(picked, size, now, now + self.latency.estimate(size))
+        earliest = min(r.deadline for r in picked)
+        running.timer = self._loop.call_later(earliest - now, self._expire_running, running)
+        self._running.add(running)
+        self._free -= 1
+        self._pool.submit(BatchJob([r.inputs for r in picked], size, self._on_done, running))
+
+    def _on_done(self, job: BatchJob) -> None:
+        """A batch came back from its executor thread (called on the loop)."""
+        running: _Running = job.tag
+        now = monotonic()
+        self._running.discard(running)
+        if running.timer is not None:
+            running.timer.cancel()
+        self._free += 1
+        self.latency.observe(running.size, now - running.started)
+        t0 = time.perf_counter_ns()
+        outputs, requests, stats = job.outputs, running.requests, self._stats
+        if outputs is None:
+            error = InternalError(f"model '{self.label}' failed: {job.error}")
+            log.warning("batch of %d on '%s' failed: %r", running.size, self.label, job.error)
+            for req in requests:
+                if _fail(req, error):
+                    stats.fail.add(int((now - req.arrival) * 1e9))
+        else:
+            offset = 0
+            for req in requests:
+                n = req.batch_size
+                fut = req.future
+                if not fut.done():
+                    # Views, not copies: each request gets its rows of the batch.
+                    fut.set_result({k: v[offset : offset + n] for k, v in outputs.items()})
+                    stats.success.add(int((now - req.arrival) * 1e9))
+                offset += n
+        stats.record_batch(running.size, len(requests), job.input_ns, job.infer_ns,
+                           time.perf_counter_ns() - t0)  # fmt: skip
+        self._pump()
+
+    def _expire_running(self, running: _Running) -> None:
+        """Deadline guard for a batch still in its executor: answer the expired now."""
+        now = monotonic()
+        later = None
+        for req in running.requests:
+            if req.future.done():
+                continue
+            if req.deadline <= now:
+                self._stats.timed_out += 1
+                _fail(req, DeadlineExceeded(
+                    f"request timed out after {(now - req.arrival) * 1e3:.1f} ms; the model "
+                    f"'{self.label}' was still running its batch"
+                ))  # fmt: skip
+            else:
+                later = req.deadline if later is None else min(later, req.deadline)
+        running.timer = (
+            None
+            if later is None
+            else self._loop.call_later(later - now, self._expire_running, running)
+        )
+
+    def _arm_timer(self, wake_at: float | None) -> None:
+        at = wake_at
+        if self._queued_requests:
+            top = self._heap[0].deadline
+            at = top if at is None else min(at, top)
+        if at is None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            return
+        if self._timer is not None:
+            if self._timer_at == at:
+                return
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self._loop.call_later(max(0.0, at - monotonic()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._pump()
+
+    # --- shutdown -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Refuse new requests and answer every queued one as unavailable."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        error = Unavailable(f"model '{self.label}' is unloading")
+        for req in self._heap:
+            if req.queued:
+                self._unqueue(req)
+                _fail(req, error)
+        self._heap.clear()
+        self._fifo.clear()
+
+
+def _fail(req: InferenceRequest, error: Exception) -> bool:
+    """Answer ``req`` with ``error`` unless it already has an answer."""
+    if req.future.done():
+        return False
+    req.future.set_exception(error)
+    return True

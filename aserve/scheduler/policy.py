@@ -1,0 +1,121 @@
+"""When to cut a batch: the pure core of the batcher.
+
+:func:`plan` takes the state of one model's queue, the clock and the
+estimates, and says how many items to run now, or until when to wait. It has
+no side effects, touches no asyncio object and reads no clock, so tests drive
+it with plain numbers.
+
+The rules, in order (``n`` = items waiting, ``L(k)`` = estimated run time of
+a batch of ``k``):
+
+1. Nothing runs while no instance is free: requests accumulate, and a batch
+   is cut the moment an instance frees up.
+2. ``n >= max_batch_size``: run ``max_batch_size``.
+3. ``n`` reaches a preferred size: run the largest preferred size that fits.
+4. Otherwise run all ``n`` now if the oldest has waited ``max_delay``, or if
+   waiting longer would make the earliest deadline miss
+   (``deadline - L(n) <= now``).
+5. Otherwise wait only if it pays: with arrivals at rate ``r`` the next
+   target size ``m`` (next preferred size, else ``max_batch_size``) fills in
+   ``w = (m - n) / r``; wait when that happens within both bounds of rule 4
+   and the cost per item including the wait beats running now:
+   ``(w + L(m)) / m < L(n) / n``. An idle server (``r`` ~ 0) or a model whose
+   time grows in step with the batch never waits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    """The batching settings the policy needs, in seconds."""
+
+    max_batch_size: int
+    max_delay: float
+    preferred: tuple[int, ...] = ()  # ascending
+
+    @classmethod
+    def build(cls, max_batch_size: int, max_delay_ms: float, preferred: list[int]) -> BatchLimits:
+        return cls(max_batch_size, max_delay_ms / 1000.0, tuple(sorted(set(preferred))))
+
+
+@dataclass(frozen=True, slots=True)
+class QueueView:
+    """What the policy sees of the queue."""
+
+    items: int  # waiting items (sum of the requests' batch sizes)
+    oldest_arrival: float
+    earliest_deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Run ``take`` items now (0: nothing), else look again at ``wake_at`` (None: on an event)."""
+
+    take: int
+    wake_at: float | None = None
+
+
+_IDLE = Plan(0, None)
+
+
+def plan(
+    now: float,
+    queue: QueueView,
+    free_instances: int,
+    limits: BatchLimits,
+    latency: Callable[[int], float],
+    arrival_rate: float,
+) -> Plan:
+    """Decide what to run now; see the module docstring for the rules."""
+    n = queue.items
+    if free_instances <= 0 or n <= 0:
+        return _IDLE
+    if n >= limits.max_batch_size:
+        return Plan(limits.max_batch_size)
+    fitting = [p for p in limits.preferred if p <= n]
+    if fitting:
+        return Plan(fitting[-1])
+
+    run_now = latency(n)
+    give_up_at = min(queue.oldest_arrival + limits.max_delay, queue.earliest_deadline - run_now)
+    if now >= give_up_at:
+        return Plan(n)
+
+    target = next((p for p in limits.preferred if p > n), limits.max_batch_size)
+    if arrival_rate <= 0.0 or run_now <= 0.0:
+        return Plan(n)  # idle, or nothing measured yet: waiting cannot be shown to pay
+    wait = (target - n) / arrival_rate
+    if now + wait > give_up_at:
+        return Plan(n)
+    if (wait + latency(target)) / target >= run_now / n:
+        return Plan(n)
+    return Plan(0, min(now + wait, give_up_at))
+
+
+def predicted_finish(
+    now: float,
+    items_ahead: int,
+    items: int,
+    instances: int,
+    first_free_at: float,
+    limits: BatchLimits,
+    latency: Callable[[int], float],
+) -> float:
+    """Earliest time a new request of ``items`` could finish, given the queue ahead.
+
+    ``first_free_at`` is when the soonest instance is expected to be free
+    (``now`` if one is). The queue ahead drains in full batches spread over
+    the instances; used by admission control to refuse at once what cannot
+    make its deadline.
+    """
+    total = items_ahead + items
+    full_batches = (total - 1) // limits.max_batch_size
+    last = total - full_batches * limits.max_batch_size
+    start = max(now, first_free_at)
+    rounds = math.ceil(full_batches / max(instances, 1))
+    return start + rounds * latency(limits.max_batch_size) + latency(last)

@@ -1,0 +1,109 @@
+"""The batching policy and estimates, driven with plain numbers (a fake clock)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from aserve.scheduler.latency import ArrivalRate, LatencyModel
+from aserve.scheduler.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
+
+LIMITS = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[8, 16, 32])
+
+
+def fixed_cost(per_batch: float, per_item: float):
+    return lambda n: per_batch + per_item * n
+
+
+def view(items, now=10.0, waited=0.0, deadline_in=1.0):
+    return QueueView(items, now - waited, now + deadline_in)
+
+
+def test_nothing_runs_without_a_free_instance_or_without_requests():
+    assert plan(10.0, view(40), 0, LIMITS, fixed_cost(1e-3, 0), 1e4) == Plan(0, None)
+    assert plan(10.0, view(0), 1, LIMITS, fixed_cost(1e-3, 0), 1e4) == Plan(0, None)
+
+
+def test_full_queue_runs_max_batch():
+    assert plan(10.0, view(40), 1, LIMITS, fixed_cost(1e-3, 0), 0.0).take == 32
+
+
+def test_largest_preferred_size_that_fits():
+    assert plan(10.0, view(20), 1, LIMITS, fixed_cost(1e-3, 0), 1e6).take == 16
+    assert plan(10.0, view(8), 1, LIMITS, fixed_cost(1e-3, 0), 1e6).take == 8
+
+
+def test_idle_server_runs_a_lone_request_at_once():
+    # No arrivals to wait for: waiting cannot pay, whatever the cost curve.
+    assert plan(10.0, view(1), 1, LIMITS, fixed_cost(1e-3, 1e-5), 0.0).take == 1
+
+
+def test_waits_when_arrivals_fill_a_batch_that_pays():
+    # Fixed per-batch cost dominates; 3 items waiting, 5 more arrive within 0.5 ms.
+    p = plan(10.0, view(3), 1, LIMITS, fixed_cost(2e-3, 1e-5), 10_000.0)
+    assert p.take == 0
+    assert p.wake_at == pytest.approx(10.0 + 5 / 10_000.0)
+
+
+def test_does_not_wait_when_cost_grows_in_step_with_the_batch():
+    # Per-item cost dominates: a bigger batch saves nothing, so no waiting.
+    p = plan(10.0, view(3), 1, LIMITS, fixed_cost(1e-6, 1e-3), 10_000.0)
+    assert p.take == 3
+
+
+def test_does_not_wait_past_max_delay():
+    # Arrivals too slow to fill the next size within max_delay.
+    assert plan(10.0, view(3), 1, LIMITS, fixed_cost(2e-3, 0), 100.0).take == 3
+    # The oldest request has already waited max_delay.
+    assert plan(10.0, view(3, waited=0.006), 1, LIMITS, fixed_cost(2e-3, 0), 1e6).take == 3
+
+
+def test_does_not_wait_when_the_deadline_would_miss():
+    # Deadline 2.5 ms away, running takes 2 ms: waiting 0.5 ms+ would miss it.
+    p = plan(10.0, view(3, deadline_in=0.0025), 1, LIMITS, fixed_cost(2e-3, 0), 1e4)
+    assert p.take == 3
+    # Wake-up never later than the latest moment the deadline allows.
+    p = plan(10.0, view(3, deadline_in=0.0030), 1, LIMITS, fixed_cost(2e-3, 0), 2e3)
+    assert p.take == 3 or p.wake_at <= 10.0 + 0.0030 - 2e-3
+
+
+def test_nothing_measured_runs_at_once():
+    assert plan(10.0, view(3), 1, LIMITS, lambda n: 0.0, 1e6).take == 3
+
+
+def test_predicted_finish_counts_queue_ahead_and_instances():
+    lat = fixed_cost(0.010, 0.0)  # 10 ms per batch of any size
+    # Empty queue, instance free: one batch.
+    assert predicted_finish(0.0, 0, 1, 1, 0.0, LIMITS, lat) == pytest.approx(0.010)
+    # 64 items ahead (two full batches) on one instance busy until t=5 ms.
+    assert predicted_finish(0.0, 64, 1, 1, 0.005, LIMITS, lat) == pytest.approx(0.035)
+    # The same on two instances: the full batches run side by side.
+    assert predicted_finish(0.0, 64, 1, 2, 0.005, LIMITS, lat) == pytest.approx(0.025)
+
+
+def test_latency_model_interpolates_and_extrapolates():
+    lat = LatencyModel(32)
+    assert not lat.known and lat.estimate(4) == 0.0
+    lat.observe(1, 1.0)
+    lat.observe(8, 8.0)
+    assert lat.known
+    assert lat.estimate(4) == pytest.approx(4.0)  # between measured sizes
+    assert lat.estimate(16) == pytest.approx(16.0)  # per-item cost of the largest
+    lat.observe(8, 18.0)  # EWMA moves toward new measurements
+    assert 8.0 < lat.estimate(8) < 18.0
+
+
+def test_arrival_rate_follows_bursts_and_silence():
+    rate = ArrivalRate()
+    assert rate.per_second(0.0) == 0.0
+    t = 0.0
+    for _ in range(50):
+        t += 0.001
+        rate.observe(t)
+    assert rate.per_second(t) == pytest.approx(1000.0, rel=0.05)
+    # One second of silence: the rate drops at once.
+    assert rate.per_second(t + 1.0) == pytest.approx(1.0, rel=0.01)
+    rate.observe(t + 1.0)
+    assert rate.per_second(t + 1.0) < 2.0
+    assert not math.isinf(rate.per_second(t + 1.0))
