@@ -1,0 +1,70 @@
+"""``aserve`` / ``python -m aserve``: serve the models of a JSON config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from aserve import __version__
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.json"
+
+log = logging.getLogger("aserve")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aserve", description="Serve deep-learning models over HTTP.")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="JSON config file (default: the embedded configs/default.json)",
+    )
+    p.add_argument("--port", type=int, default=None, help="override http.port from the config")
+    p.add_argument("--host", default=None, help="override http.host from the config")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--version", action="version", version=f"aserve {__version__}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # Imported late so that --help and config errors answer without loading torch.
+    from aserve.config import ConfigError, check_model_files, load_config
+
+    path = args.config or DEFAULT_CONFIG
+    try:
+        config, base_dir = load_config(path)
+        check_model_files(config, base_dir)
+    except ConfigError as exc:
+        print(f"aserve: error: {exc}", file=sys.stderr)
+        return 2
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        config = config.model_copy(update={"http": config.http.model_copy(update=overrides)})
+
+    from aserve.loop.runtime import Server, StartupError
+
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    log.info("aserve %s starting with %s", __version__, path)
+    try:
+        runner(Server(config, base_dir).run())
+    except StartupError as exc:
+        print(f"aserve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0

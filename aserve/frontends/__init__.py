@@ -1,0 +1,1 @@
+"""Wire protocols on the shared loop: the aiohttp app (KServe V2 REST)."""

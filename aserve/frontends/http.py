@@ -1,0 +1,281 @@
+"""The aiohttp frontend: KServe V2 REST with the binary tensor extension.
+
+Handlers run on the loop. The infer handler decodes and validates the body,
+submits an :class:`InferenceRequest` to the model's runtime and awaits its
+future; when the client disconnects, aiohttp cancels the handler and the
+request leaves the queue. Every error answers ``{"error": "..."}`` with the
+status from :data:`HTTP_STATUS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+import time
+import zlib
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from aserve import __version__
+from aserve.codecs.v2 import decode_request, encode_response
+from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
+from aserve.loop.request import InferenceRequest
+
+if TYPE_CHECKING:
+    from aserve.loop.model import ModelRuntime
+    from aserve.loop.runtime import Server
+
+log = logging.getLogger("aserve.http")
+
+# The one table from error code to HTTP status.
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.QUEUE_FULL: 429,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.UNIMPLEMENTED: 501,
+    ErrorCode.INTERNAL: 500,
+}
+
+TIMEOUT_HEADER = "aserve-timeout-ms"
+IHCL = "Inference-Header-Content-Length"
+_JSON = "application/json"
+_COMPRESS_OVER_BYTES = 64 * 1024  # larger bodies are compressed off the loop
+
+
+def error_response(error: AserveError) -> web.Response:
+    status = HTTP_STATUS[error.code]
+    headers = {"Retry-After": "1"} if error.code is ErrorCode.QUEUE_FULL else None
+    return web.Response(
+        status=status,
+        body=orjson.dumps({"error": error.message}),
+        content_type=_JSON,
+        headers=headers,
+    )
+
+
+def _json(doc: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(doc), content_type=_JSON)
+
+
+class HttpFrontend:
+    def __init__(self, server: Server) -> None:
+        self._server = server
+        cfg = server.config
+        self._max_body = cfg.limits.max_request_bytes
+        self._app = web.Application(client_max_size=self._max_body)
+        self._add_routes()
+        self._runner = web.AppRunner(
+            self._app,
+            handle_signals=False,
+            access_log=None,  # per-request logging costs more than a tiny model
+            handler_cancellation=True,  # a client that goes away cancels its handler
+            shutdown_timeout=cfg.drain_timeout_s,
+        )
+        self._site: web.TCPSite | None = None
+        self.inflight = 0
+        self.addresses: list[tuple[str, int]] = []
+
+    # --- lifecycle ------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self._server.config.http
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, cfg.host, cfg.port, reuse_address=True)
+        await self._site.start()
+        server = self._site._server
+        assert server is not None
+        self.addresses = [s.getsockname()[:2] for s in server.sockets]  # type: ignore[attr-defined]
+        for host, port in self.addresses:
+            log.info("HTTP (KServe V2 REST) listening on http://%s:%d", host, port)
+
+    async def stop(self) -> None:
+        """Stop listening, let in-flight requests finish (up to the drain timeout), close."""
+        await self._runner.cleanup()
+
+    # --- routes ---------------------------------------------------------------
+
+    def _add_routes(self) -> None:
+        r = self._app.router
+        model = "/v2/models/{model}"
+        version = "/v2/models/{model}/versions/{version}"
+
+        def route(method: str, path: str, handler: Any) -> None:
+            resource = r.add_resource(path)
+            resource.add_route(method, handler)
+            resource.add_route("*", self._method_not_allowed)
+
+        route("GET", "/v2/health/live", self._live)
+        route("GET", "/v2/health/ready", self._ready)
+        route("GET", "/v2", self._server_metadata)
+        route("GET", "/v2/", self._server_metadata)
+        route("GET", "/v2/models/stats", self._stats)
+        for base in (model, version):
+            route("GET", base, self._model_metadata)
+            route("GET", base + "/ready", self._model_ready)
+            route("GET", base + "/stats", self._stats)
+            route("POST", base + "/infer", self._infer)
+        r.add_route("*", "/{tail:.*}", self._not_found)
+
+    async def _method_not_allowed(self, request: web.Request) -> web.Response:
+        return _json({"error": f"method {request.method} is not allowed on {request.path}"}, 405)
+
+    async def _not_found(self, request: web.Request) -> web.Response:
+        return _json({"error": f"no such endpoint: {request.method} {request.path}"}, 404)
+
+    def _runtime(self, request: web.Request) -> ModelRuntime:
+        info = request.match_info
+        return self._server.registry.get(info["model"], info.get("version"))
+
+    # --- health and metadata --------------------------------------------------
+
+    async def _live(self, request: web.Request) -> web.Response:
+        return _json({"live": True})
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        reason = self._server.not_ready_reason()
+        if reason:
+            return _json({"ready": False, "error": reason}, 503)
+        return _json({"ready": True})
+
+    async def _server_metadata(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "name": "aserve",
+                "version": __version__,
+                "extensions": ["binary_tensor_data", "parameters", "statistics"],
+            }
+        )
+
+    async def _model_metadata(self, request: web.Request) -> web.Response:
+        try:
+            return _json(self._runtime(request).metadata())
+        except AserveError as exc:
+            return error_response(exc)
+
+    async def _model_ready(self, request: web.Request) -> web.Response:
+        try:
+            runtime = self._runtime(request)
+        except AserveError as exc:
+            return error_response(exc)
+        if not runtime.ready:
+            return error_response(
+                Unavailable(f"model '{runtime.label}' is not ready ({runtime.state.value})")
+            )
+        return _json({"name": runtime.name, "ready": True})
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        try:
+            if "model" in request.match_info:
+                runtimes = [self._runtime(request)]
+            else:
+                runtimes = sorted(self._server.registry, key=lambda rt: (rt.name, int(rt.version)))
+        except AserveError as exc:
+            return error_response(exc)
+        return _json({"model_stats": [rt.statistics() for rt in runtimes]})
+
+    # --- inference ------------------------------------------------------------
+
+    async def _infer(self, request: web.Request) -> web.Response:
+        self.inflight += 1
+        try:
+            return await self._infer_checked(request)
+        except AserveError as exc:
+            return error_response(exc)
+        finally:
+            self.inflight -= 1
+
+    async def _infer_checked(self, request: web.Request) -> web.Response:
+        runtime = self._runtime(request)
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            raise TooLarge(
+                f"request body is {length} bytes, over the limit max_request_bytes {self._max_body}"
+            )
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise TooLarge(
+                f"request body is over the limit max_request_bytes {self._max_body}"
+            ) from None
+        headers = request.headers
+        decoded = decode_request(
+            body,
+            headers.get(IHCL),
+            runtime.name,
+            runtime.input_specs,
+            runtime.output_specs,
+            runtime.max_batch_size,
+            runtime.variable_shapes,
+        )
+        timeout = decoded.timeout_s
+        header_timeout = headers.get(TIMEOUT_HEADER)
+        if header_timeout is not None:
+            timeout = _header_timeout(header_timeout)
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        req = InferenceRequest(
+            decoded.inputs,
+            decoded.batch_size,
+            decoded.shape_key,
+            now,
+            now + (timeout if timeout is not None else runtime.default_timeout_s),
+            loop.create_future(),
+            decoded.client_id,
+            decoded.parameters,
+        )
+        runtime.submit(req)
+        try:
+            outputs = await req.future
+        except asyncio.CancelledError:
+            # The client went away: the request must not stay queued.
+            if runtime.batcher is not None:
+                runtime.batcher.forget(req)
+            raise
+        payload, json_length = encode_response(
+            runtime.name, runtime.version, decoded, outputs, runtime.output_specs
+        )
+        out_headers: dict[str, str] = {}
+        if json_length is not None:
+            out_headers[IHCL] = str(json_length)
+            content_type = "application/octet-stream"
+        else:
+            content_type = _JSON
+        encoding = _response_encoding(headers.get("Accept-Encoding"))
+        if encoding is not None:
+            payload = await _compress(payload, encoding)
+            out_headers["Content-Encoding"] = encoding
+        return web.Response(body=payload, content_type=content_type, headers=out_headers)
+
+
+def _header_timeout(value: str) -> float:
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not ms > 0:
+        raise InvalidArgument(f"header {TIMEOUT_HEADER}: '{value}' must be a positive number of ms")
+    return ms / 1e3
+
+
+def _response_encoding(accept: str | None) -> str | None:
+    # Compress only when asked for exactly one of gzip/deflate: the aio
+    # tritonclient sends aiohttp's default "gzip, deflate, br" on every call
+    # but does not decompress.
+    if accept is None:
+        return None
+    value = accept.strip().lower()
+    return value if value in ("gzip", "deflate") else None
+
+
+async def _compress(payload: bytes, encoding: str) -> bytes:
+    fn = gzip.compress if encoding == "gzip" else zlib.compress
+    if len(payload) > _COMPRESS_OVER_BYTES:
+        return await asyncio.to_thread(fn, payload)
+    return fn(payload)

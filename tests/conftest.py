@@ -1,0 +1,174 @@
+"""Fixtures: test models on disk and real aserve servers on loopback.
+
+Servers run as subprocesses (``python -m aserve --config ...``) on a free
+port; readiness is polled from the log line and ``/v2/health/ready``, never
+guessed with sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from models import build_all
+
+START_TIMEOUT_S = 60
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen[str]
+    port: int
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return "".join(self.log)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+def spec(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
+    return {"name": name, "datatype": datatype, "shape": shape}
+
+
+def model_entry(name: str, path: str, inputs: list, outputs: list, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "engine": "torch",
+        "path": path,
+        "inputs": inputs,
+        "outputs": outputs,
+        **extra,
+    }
+
+
+def write_config(folder: Path, config: dict[str, Any], name: str = "config.json") -> Path:
+    path = folder / name
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def start_server(config_path: Path, extra_env: dict[str, str] | None = None) -> ServerProcess:
+    """Start ``python -m aserve --config`` on a free port; wait until it is ready."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aserve", "--config", str(config_path), "--port", "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    server = ServerProcess(proc, 0)
+    port_found = threading.Event()
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            server.log.append(line)
+            m = re.search(r"listening on http://[^:]+:(\d+)", line)
+            if m and not port_found.is_set():
+                server.port = int(m.group(1))
+                port_found.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not port_found.wait(0.05):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server did not start:\n{server.log_text()}")
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(server.base + "/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"server never became ready:\n{server.log_text()}")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("models")
+    build_all(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def eager_models(model_dir: Path) -> dict[str, Any]:
+    """The served models, loaded back from their files in this process."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {
+            "affine": torch.jit.load(str(model_dir / "affine.pt")),
+            "pair": torch.export.load(str(model_dir / "pair.pt2")).module(),
+            "mixed": torch.jit.load(str(model_dir / "mixed.pt")),
+        }
+
+
+def standard_models() -> list[dict[str, Any]]:
+    mixed_io = [
+        ("FLAGS", "BOOL"), ("SMALL", "INT8"), ("BIG", "INT64"),
+        ("HALF", "FP16"), ("DOUBLE", "FP64"), ("OCTETS", "UINT8"),
+    ]  # fmt: skip
+    return [
+        model_entry(
+            "affine", "affine.pt", [spec("INPUT0", "FP32", [16])], [spec("OUTPUT0", "FP32", [16])],
+            batching={"max_batch_size": 32, "max_delay_ms": 2.0, "preferred_batch_sizes": [8, 16, 32]},
+        ),
+        model_entry(
+            "pair", "pair.pt2", [spec("A", "FP32", [8]), spec("B", "FP32", [8])],
+            [spec("SUM", "FP32", [8]), spec("DOT", "FP32", [1])],
+        ),
+        model_entry(
+            "mixed", "mixed.pt", [spec(f"IN_{n}", t, [3]) for n, t in mixed_io],
+            [spec(f"OUT_{n}", t, [3]) for n, t in mixed_io],
+        ),
+        model_entry(
+            "spin", "spin.pt", [spec("X", "FP32", [-1])], [spec("Y", "FP32", [1])],
+            batching={"max_batch_size": 4, "max_queue_size": 2, "max_delay_ms": 0},
+        ),
+        model_entry(
+            "sleepy", "sleepy.pt", [spec("X", "FP32", [2])], [spec("Y", "FP32", [1])],
+            batching={"max_batch_size": 2},
+        ),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def server(model_dir: Path) -> Iterator[ServerProcess]:
+    """One shared server with every standard test model."""
+    config = {"limits": {"max_request_bytes": 2 * 1024 * 1024}, "models": standard_models()}
+    srv = start_server(write_config(model_dir, config))
+    yield srv
+    srv.stop()

@@ -1,0 +1,235 @@
+"""Server behaviour over HTTP: batching, deadlines, admission, disconnects, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from helpers import stats, v2_body, wait_for_stats, wait_idle
+
+SPIN_LONG = 100_000  # columns; the spin model runs one matmul step per column
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def _post(session, url, body, **kw):
+    async with session.post(url, json=body, **kw) as r:
+        return r.status, await r.json(content_type=None), r.headers
+
+
+async def test_concurrent_requests_are_batched_and_answered_per_request(
+    server, session, eager_models
+):
+    base = server.base
+    before = await stats(session, base, "affine")
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(64)]
+    url = f"{base}/v2/models/affine/infer"
+    results = await asyncio.gather(
+        *(_post(session, url, v2_body("INPUT0", x.ravel().tolist(), [1, 16])) for x in xs)
+    )
+    after = await stats(session, base, "affine")
+    model = eager_models["affine"]
+    for x, (status, body, _) in zip(xs, results, strict=True):
+        assert status == 200, body
+        want = model(torch.from_numpy(x)).detach().numpy().ravel()
+        np.testing.assert_allclose(body["outputs"][0]["data"], want, rtol=1e-5, atol=1e-5)
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert inferences == 64
+    assert executions < inferences, "64 concurrent requests ran one at a time"
+
+
+async def test_request_batch_dimension_larger_than_one(server, session, eager_models):
+    x = np.arange(48, dtype=np.float32).reshape(3, 16) / 10
+    status, body, _ = await _post(
+        session, f"{server.base}/v2/models/affine/infer", v2_body("INPUT0", x.tolist(), [3, 16])
+    )
+    assert status == 200
+    out = body["outputs"][0]
+    assert out["shape"] == [3, 16]
+    want = eager_models["affine"](torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(np.array(out["data"]).reshape(3, 16), want, rtol=1e-5, atol=1e-5)
+
+
+async def _start_long_spin(session, base):
+    """Occupy the spin model's only instance with a long request; returns its task."""
+    await wait_idle(session, base, "spin")
+    body = v2_body("X", [0.5] * SPIN_LONG, [1, SPIN_LONG])
+    task = asyncio.create_task(_post(session, f"{base}/v2/models/spin/infer", body))
+    await wait_for_stats(session, base, "spin", lambda s: s["running_batch_count"] == 1)
+    return task
+
+
+async def test_timeout_in_queue_answers_504_and_server_keeps_serving(server, session):
+    base = server.base
+    long_task = await _start_long_spin(session, base)
+    before = await stats(session, base, "spin")
+    status, body, _ = await _post(
+        session, f"{base}/v2/models/spin/infer",
+        v2_body("X", [1.0, 2.0], [1, 2], parameters={"timeout_ms": 100}),
+    )  # fmt: skip
+    assert status == 504, body
+    assert "timed out" in body["error"]
+    long_status, long_body, _ = await long_task
+    assert long_status == 200, long_body
+    assert long_body["outputs"][0]["data"] == [pytest.approx(0.5 * SPIN_LONG)]
+    after = await stats(session, base, "spin")
+    assert after["timed_out"] == before["timed_out"] + 1
+    # The server still serves, the header spelling of the timeout included.
+    status, body, _ = await _post(
+        session, f"{base}/v2/models/spin/infer", v2_body("X", [1.0, 2.0], [1, 2]),
+        headers={"aserve-timeout-ms": "5000"},
+    )  # fmt: skip
+    assert status == 200 and body["outputs"][0]["data"] == [3.0]
+
+
+async def test_full_queue_answers_429_at_once(server, session):
+    base = server.base
+    long_task = await _start_long_spin(session, base)
+    url = f"{base}/v2/models/spin/infer"
+    small = v2_body("X", [1.0], [1, 1])
+    queued = [asyncio.create_task(_post(session, url, small)) for _ in range(2)]
+    await wait_for_stats(session, base, "spin", lambda s: s["pending_request_count"] == 2)
+    status, body, headers = await _post(session, url, small)
+    assert status == 429
+    assert "max_queue_size 2" in body["error"]
+    assert headers["Retry-After"] == "1"
+    assert not long_task.done(), "the refusal waited for the running batch"
+    for status, body, _ in [await long_task, *await asyncio.gather(*queued)]:
+        assert status == 200, body
+
+
+async def test_unmeetable_deadline_answers_503_at_once(server, session):
+    # "sleepy" takes tens of ms per batch, as measured at warm-up.
+    status, body, _ = await _post(
+        session, f"{server.base}/v2/models/sleepy/infer",
+        v2_body("X", [1.0, 2.0], [1, 2], parameters={"timeout_ms": 1}),
+    )  # fmt: skip
+    assert status == 503, body
+    assert "cannot meet the request's deadline" in body["error"]
+    status, body, _ = await _post(
+        session, f"{server.base}/v2/models/sleepy/infer", v2_body("X", [1.0, 2.0], [1, 2])
+    )
+    assert status == 200 and body["outputs"][0]["data"] == [3.0]
+
+
+async def test_client_disconnect_removes_the_request_from_the_queue(server, session):
+    base = server.base
+    long_task = await _start_long_spin(session, base)
+    before = await stats(session, base, "spin")
+    with pytest.raises(asyncio.TimeoutError):
+        await _post(
+            session, f"{base}/v2/models/spin/infer", v2_body("X", [1.0], [1, 1]),
+            timeout=aiohttp.ClientTimeout(total=0.3),
+        )  # fmt: skip
+    # Gone from the queue while the long batch is still running.
+    gone = await wait_for_stats(session, base, "spin", lambda s: s["pending_request_count"] == 0)
+    assert gone["cancelled"] == before["cancelled"] + 1
+    assert not long_task.done()
+    assert (await long_task)[0] == 200
+    idle = await wait_idle(session, base, "spin")
+    assert idle["inference_count"] == before["inference_count"] + 1  # only the long request ran
+
+
+BAD_INPUTS = [
+    # (description, model, body or raw bytes, status, words the message must contain)
+    ("not json", "affine", b"{nope", 400, ["not valid JSON"]),
+    ("no inputs", "affine", {"inputs": []}, 400, ["inputs"]),
+    ("unknown input", "affine", v2_body("WRONG", [0.0] * 16, [1, 16]), 400, ["WRONG", "INPUT0"]),
+    ("wrong datatype", "affine", v2_body("INPUT0", [0] * 16, [1, 16], "INT32"), 400,
+     ["INPUT0", "INT32", "FP32"]),
+    ("wrong shape", "affine", v2_body("INPUT0", [0.0] * 15, [1, 15]), 400, ["INPUT0", "shape"]),
+    ("no batch dim", "affine", v2_body("INPUT0", [0.0] * 16, [16]), 400, ["INPUT0", "shape"]),
+    ("data count", "affine", v2_body("INPUT0", [0.0] * 10, [1, 16]), 400, ["INPUT0", "10", "16"]),
+    ("not numbers", "affine", v2_body("INPUT0", ["a"] * 16, [1, 16]), 400, ["INPUT0", "FP32"]),
+    ("no data", "affine", {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32"}]},
+     400, ["INPUT0", "no data"]),
+    ("batch too big", "affine", v2_body("INPUT0", [0.0] * 16 * 33, [33, 16]), 400,
+     ["batch size 33", "max_batch_size 32"]),
+    ("missing input", "pair", v2_body("A", [0.0] * 8, [1, 8]), 400, ["missing input", "B"]),
+    ("unknown output", "affine", v2_body("INPUT0", [0.0] * 16, [1, 16], outputs=[{"name": "NOPE"}]),
+     400, ["NOPE", "OUTPUT0"]),
+    ("bad timeout", "affine", v2_body("INPUT0", [0.0] * 16, [1, 16], parameters={"timeout_ms": -5}),
+     400, ["timeout_ms"]),
+    ("unknown model", "nosuch", v2_body("INPUT0", [0.0] * 16, [1, 16]), 404, ["nosuch"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "model", "body", "status", "words"), BAD_INPUTS,
+                         ids=[c[0] for c in BAD_INPUTS])  # fmt: skip
+async def test_bad_input_gets_its_status_and_a_message_naming_it(
+    server, session, case, model, body, status, words
+):
+    url = f"{server.base}/v2/models/{model}/infer"
+    kw = {"data": body} if isinstance(body, bytes) else {"json": body}
+    async with session.post(url, **kw) as r:
+        assert r.status == status
+        assert r.content_type == "application/json"
+        message = (await r.json())["error"]
+    for word in words:
+        assert word in message, f"{case}: {word!r} not in {message!r}"
+
+
+async def test_binary_size_mismatch_names_the_tensor(server, session):
+    header = b'{"inputs":[{"name":"INPUT0","shape":[1,16],"datatype":"FP32","parameters":{"binary_data_size":60}}]}'
+    async with session.post(
+        f"{server.base}/v2/models/affine/infer", data=header + bytes(60),
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    ) as r:  # fmt: skip
+        assert r.status == 400
+        message = (await r.json())["error"]
+    assert "INPUT0" in message and "60" in message and "64" in message
+
+
+async def test_unknown_version_and_wrong_method_and_path(server, session):
+    async with session.get(f"{server.base}/v2/models/affine/versions/9") as r:
+        assert r.status == 404
+        assert "version '9'" in (await r.json())["error"]
+    async with session.post(f"{server.base}/v2/health/live") as r:
+        assert r.status == 405
+        assert "POST" in (await r.json())["error"]
+    async with session.get(f"{server.base}/v2/nothing/here") as r:
+        assert r.status == 404
+        assert "error" in await r.json()
+
+
+async def test_body_over_the_limit_answers_413(server, session):
+    big = v2_body("INPUT0", [0.0] * (16 * 32), [32, 16])
+    big["padding"] = "x" * (3 * 1024 * 1024)
+    status, body, _ = await _post(session, f"{server.base}/v2/models/affine/infer", big)
+    assert status == 413
+    assert "max_request_bytes" in body["error"]
+
+    # A chunked body (no Content-Length) over the limit is refused too.
+    async def chunks():
+        for _ in range(40):
+            yield b" " * 100_000
+
+    async with session.post(f"{server.base}/v2/models/affine/infer", data=chunks()) as r:
+        assert r.status == 413
+        assert "max_request_bytes" in (await r.json())["error"]
+
+
+async def test_gzip_request_and_response(server, session, eager_models):
+    import gzip
+    import json
+
+    x = np.linspace(-1, 1, 16, dtype=np.float32)
+    raw = json.dumps(v2_body("INPUT0", x.tolist(), [1, 16])).encode()
+    async with session.post(
+        f"{server.base}/v2/models/affine/infer", data=gzip.compress(raw),
+        headers={"Content-Encoding": "gzip", "Accept-Encoding": "gzip"},
+    ) as r:  # fmt: skip
+        assert r.status == 200
+        assert r.headers["Content-Encoding"] == "gzip"
+        body = await r.json()
+    want = eager_models["affine"](torch.from_numpy(x[None])).detach().numpy().ravel()
+    np.testing.assert_allclose(body["outputs"][0]["data"], want, rtol=1e-5, atol=1e-5)
