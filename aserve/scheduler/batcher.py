@@ -148,11 +148,14 @@ class Batcher:
         self._queued_items -= req.batch_size
 
     def _compact(self) -> None:
-        # Stale heap entries are skipped lazily; rebuild when they dominate so a
-        # storm of cancellations cannot grow memory without bound.
-        if len(self._heap) > 2 * self._queued_requests + 64:
+        # Stale entries (cancelled, or already dispatched behind a request that
+        # still waits) are skipped lazily; rebuild when they dominate, so neither
+        # a storm of cancellations nor one starved shape grows memory unbounded.
+        limit = 2 * self._queued_requests + 64
+        if len(self._heap) > limit:
             self._heap = [r for r in self._heap if r.queued]
             heapq.heapify(self._heap)
+        if len(self._fifo) > limit:
             self._fifo = deque(r for r in self._fifo if r.queued)
 
     # --- deciding -------------------------------------------------------------
@@ -173,6 +176,7 @@ class Batcher:
                 wake_at = decision.wake_at
                 break
             self._dispatch(self._form(decision.take, now), now)
+        self._compact()
         self._arm_timer(wake_at)
 
     def _expire_queued(self, now: float) -> None:
