@@ -1,0 +1,25 @@
+"""The decoder engine: causal language models (GPT-2, Llama) for token streaming.
+
+Everything in this package runs on the engine's one executor thread (or, for
+loading, in a worker thread during startup); nothing here touches asyncio.
+
+- ``model.DecoderModel``: our forward pass (``prefill``, ``decode``)
+- ``kv_cache.KVCache``: the preallocated cache and its slots
+- ``checkpoint``, ``gpt2``, ``llama``, ``spec``, ``rope``: reading model folders
+"""
+
+from __future__ import annotations
+
+from aserve.engines.decoder.config import GenerationConfig
+from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
+from aserve.engines.decoder.model import DecoderModel
+from aserve.engines.decoder.spec import CheckpointError
+
+__all__ = [
+    "CacheFull",
+    "CheckpointError",
+    "DecoderModel",
+    "GenerationConfig",
+    "KVCache",
+    "SequenceTooLong",
+]

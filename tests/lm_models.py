@@ -1,0 +1,161 @@
+"""Tiny seeded causal LMs and tokenizers, built on the fly in the Hugging Face layout.
+
+Weights use ``initializer_range`` 0.5 so that greedy decoding wanders instead
+of repeating one token; tokenizers are BPEs trained on a short ASCII text.
+
+- GPT-2: byte-level BPE (every byte has a token, so multi-byte characters
+  split across tokens), ``<|endoftext|>`` as BOS/EOS, no chat template.
+- Llama (grouped-query attention, 4 heads / 2 KV heads): Metaspace BPE over
+  the text's own characters, ``<s>`` added by the post-processor, ``</s>`` as
+  EOS, and a Jinja chat template in ``tokenizer_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+TEXT = """\
+The quick brown fox jumps over the lazy dog. A server streams tokens to many clients,
+one step at a time, and every client reads its own words as they arrive. When a client
+goes away, its sequence leaves the batch and the cache slot is free again. Small models
+say strange things, but they say them quickly: seven silver spoons, eleven green lamps,
+a river of numbers 0 1 2 3 4 5 6 7 8 9 and the letters of the alphabet from A to Z.
+Hello world! Does it stop? Yes, it stops when it sees the end, or when it runs out of room.
+"""
+
+LLAMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _train(tok: Tokenizer, vocab_size: int, special: list[str], alphabet: list[str]) -> None:
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator([TEXT] * 4, trainer=trainer)
+
+
+def gpt2_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    _train(tok, 400, ["<|endoftext|>"], pre_tokenizers.ByteLevel.alphabet())
+    return tok
+
+
+def llama_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    _train(tok, 300, ["<unk>", "<s>", "</s>"], [])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return tok
+
+
+def build_gpt2(folder: Path) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = gpt2_tokenizer()
+    eos = tok.token_to_id("<|endoftext|>")
+    config = GPT2Config(
+        vocab_size=tok.get_vocab_size(),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=128,
+        initializer_range=0.5,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    torch.manual_seed(1234)
+    model = GPT2LMHeadModel(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    _write_json(folder / "tokenizer_config.json", {"eos_token": "<|endoftext|>"})
+    return folder
+
+
+def build_llama(folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = llama_tokenizer()
+    config = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        initializer_range=0.5,
+        bos_token_id=tok.token_to_id("<s>"),
+        eos_token_id=tok.token_to_id("</s>"),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(4321)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    _write_json(
+        folder / "tokenizer_config.json",
+        {
+            "bos_token": "<s>",
+            "eos_token": {"content": "</s>"},
+            "chat_template": LLAMA_CHAT_TEMPLATE,
+        },
+    )
+    return folder
+
+
+def load_reference(folder: Path) -> torch.nn.Module:
+    """The same checkpoint through transformers: the reference we compare against."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _write_json(path: Path, data: dict[str, object]) -> None:
+    path.write_text(json.dumps(data, indent=2))
+
+
+_BUILDERS = {"gpt2": build_gpt2, "llama": build_llama}
+_BUILT: dict[str, Path] = {}
+
+
+def tiny_model(kind: str, root: Path) -> Path:
+    """The tiny ``kind`` model's folder under ``root``, built once per test session."""
+    if kind not in _BUILT:
+        folder = root / kind
+        folder.mkdir(parents=True, exist_ok=True)
+        _BUILT[kind] = _BUILDERS[kind](folder)
+    return _BUILT[kind]
+
+
+def greedy_reference(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generation (stops at the config's EOS, as we do)."""
+    eos = model.generation_config.eos_token_id
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=eos,
+    )
+    return out[0, len(prompt) :].tolist()
