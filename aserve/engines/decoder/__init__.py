@@ -5,6 +5,7 @@ loading, in a worker thread during startup); nothing here touches asyncio.
 
 - ``model.DecoderModel``: our forward pass (``prefill``, ``decode``)
 - ``kv_cache.KVCache``: the preallocated cache and its slots
+- ``sampling``: ``SamplingParams`` and the per-sequence sampler
 - ``checkpoint``, ``gpt2``, ``llama``, ``spec``, ``rope``: reading model folders
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from aserve.engines.decoder.config import GenerationConfig
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel
+from aserve.engines.decoder.sampling import SamplingParams
 from aserve.engines.decoder.spec import CheckpointError
 
 __all__ = [
@@ -21,5 +23,6 @@ __all__ = [
     "DecoderModel",
     "GenerationConfig",
     "KVCache",
+    "SamplingParams",
     "SequenceTooLong",
 ]
