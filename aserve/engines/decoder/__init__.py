@@ -6,6 +6,7 @@ loading, in a worker thread during startup); nothing here touches asyncio.
 - ``model.DecoderModel``: our forward pass (``prefill``, ``decode``)
 - ``kv_cache.KVCache``: the preallocated cache and its slots
 - ``sampling``: ``SamplingParams`` and the per-sequence sampler
+- ``tokenizer``, ``detokenizer``, ``stop``: text in and out
 - ``checkpoint``, ``gpt2``, ``llama``, ``spec``, ``rope``: reading model folders
 """
 
@@ -16,6 +17,7 @@ from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel
 from aserve.engines.decoder.sampling import SamplingParams
 from aserve.engines.decoder.spec import CheckpointError
+from aserve.engines.decoder.tokenizer import Tokenizer
 
 __all__ = [
     "CacheFull",
@@ -25,4 +27,5 @@ __all__ = [
     "KVCache",
     "SamplingParams",
     "SequenceTooLong",
+    "Tokenizer",
 ]

@@ -1,0 +1,154 @@
+"""The model's tokenizer (``tokenizer.json``), its end tokens and chat template.
+
+End-of-sequence ids are the union of what ``config.json``,
+``generation_config.json`` and the tokenizer's ``eos_token`` declare: models
+often list a chat turn's end token in only one of them.
+
+Chat formatting uses the model's Jinja ``chat_template`` (from
+``tokenizer_config.json`` or a ``chat_template.jinja`` file beside it) in a
+sandbox. A model without one gets :data:`DEFAULT_CHAT_FORMAT`: each message
+as ``role: content`` on its own line, then ``assistant:`` when a generation
+prompt is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from aserve.engines.decoder.checkpoint import read_json
+from aserve.engines.decoder.detokenizer import IncrementalDetokenizer
+from aserve.engines.decoder.spec import CheckpointError
+from aserve.errors import InvalidArgument
+
+DEFAULT_CHAT_FORMAT = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class Tokenizer:
+    """Encoding, decoding and chat formatting for one model."""
+
+    def __init__(
+        self,
+        inner: tokenizers.Tokenizer,
+        eos_token_ids: Iterable[int] = (),
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.inner = inner
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.has_chat_template = chat_template is not None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        # Compiled once: a broken template fails at load, not on the first request.
+        self._template = env.from_string(chat_template or DEFAULT_CHAT_FORMAT)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> Tokenizer:
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: no tokenizer.json")
+        try:
+            inner = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise CheckpointError(f"{path}: cannot load tokenizer: {exc}") from None
+        tok_config = _optional_json(folder / "tokenizer_config.json")
+        bos = _token_text(tok_config.get("bos_token"))
+        eos = _token_text(tok_config.get("eos_token"))
+        eos_ids: set[int] = set()
+        for name in ("config.json", "generation_config.json"):
+            eos_ids |= _ids(_optional_json(folder / name).get("eos_token_id"))
+        if eos is not None and (eos_id := inner.token_to_id(eos)) is not None:
+            eos_ids.add(eos_id)
+        template = tok_config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        jinja_file = folder / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text(encoding="utf-8")
+        try:
+            return cls(inner, eos_ids, bos, eos, template if isinstance(template, str) else None)
+        except TemplateError as exc:
+            raise CheckpointError(f"{folder}: chat_template does not compile: {exc}") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the
+        tokenizer's post-processor adds (e.g. Llama's BOS)."""
+        return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.inner.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.inner, prompt_ids)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        """The prompt text for a chat; encode it with ``add_special_tokens=False``
+        (templates write their own BOS). :class:`InvalidArgument` when the
+        template rejects the messages."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or "role" not in m:
+                raise InvalidArgument(f"messages[{i}]: a message needs a 'role'")
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
+        except TemplateError as exc:
+            raise InvalidArgument(f"messages: the chat template failed: {exc}") from None
+
+
+def _optional_json(path: Path) -> dict[str, Any]:
+    return read_json(path) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """``eos_token`` is a string or an AddedToken dict ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> set[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    if isinstance(value, list):
+        return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
+    return set()
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    # Templates use tojson for tool schemas; jinja2's own escapes HTML characters.
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
