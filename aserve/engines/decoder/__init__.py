@@ -3,6 +3,7 @@
 Everything in this package runs on the engine's one executor thread (or, for
 loading, in a worker thread during startup); nothing here touches asyncio.
 
+- ``engine.DecoderEngine``: load/unload, ``new_sequence``, ``step``, ``free``
 - ``model.DecoderModel``: our forward pass (``prefill``, ``decode``)
 - ``kv_cache.KVCache``: the preallocated cache and its slots
 - ``sampling``: ``SamplingParams`` and the per-sequence sampler
@@ -13,19 +14,25 @@ loading, in a worker thread during startup); nothing here touches asyncio.
 from __future__ import annotations
 
 from aserve.engines.decoder.config import GenerationConfig
+from aserve.engines.decoder.engine import DecoderEngine
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel
 from aserve.engines.decoder.sampling import SamplingParams
+from aserve.engines.decoder.sequence import FinishReason, Sequence, StepOutput
 from aserve.engines.decoder.spec import CheckpointError
 from aserve.engines.decoder.tokenizer import Tokenizer
 
 __all__ = [
     "CacheFull",
     "CheckpointError",
+    "DecoderEngine",
     "DecoderModel",
+    "FinishReason",
     "GenerationConfig",
     "KVCache",
     "SamplingParams",
+    "Sequence",
     "SequenceTooLong",
+    "StepOutput",
     "Tokenizer",
 ]

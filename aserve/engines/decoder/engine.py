@@ -1,0 +1,264 @@
+"""The decoder engine: a causal LM, its tokenizer and KV cache, driven step by step.
+
+Thread contract (the same spirit as :class:`aserve.engines.base.Engine`):
+
+- ``load`` and ``unload`` run once, off the event loop.
+- ``create_instance``, ``step`` and ``free`` run on ONE executor thread: the
+  KV cache and every started :class:`Sequence` belong to it. There is one
+  instance per engine, since the cache is the state that decode continues.
+- ``new_sequence`` only validates and builds a sequence; it touches no
+  engine state, so the scheduler may call it wherever it prepares a request
+  (it tokenizes a text prompt, which takes longer than the loop should wait
+  for a long prompt).
+
+The continuous batcher calls ``step(new, running)`` repeatedly: it prefills
+the new sequences (their first token comes from the prefill) and runs one
+decode step for the running ones; every sequence passed in gets exactly one
+token. A sequence that finishes frees its slot inside ``step``. A cancelled
+one is simply not passed again, and ``free(seq)`` returns its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from aserve.engines.decoder.config import GenerationConfig
+from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
+from aserve.engines.decoder.model import DecoderModel, resolve_dtype
+from aserve.engines.decoder.sampling import SamplingParams, make_generator, sample
+from aserve.engines.decoder.sequence import Sequence, StepOutput
+from aserve.engines.decoder.stop import StopMatcher
+from aserve.engines.decoder.tokenizer import Tokenizer
+from aserve.errors import InvalidArgument
+
+log = logging.getLogger("aserve.engines.decoder")
+
+
+class DecoderEngine:
+    def __init__(
+        self,
+        model_path: str | Path,
+        generation: GenerationConfig | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        cpu_threads: int = 1,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.generation = generation or GenerationConfig()
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.cpu_threads = cpu_threads
+        self._model: DecoderModel | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._cache: KVCache | None = None
+
+    # --- lifecycle --------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load weights and tokenizer, allocate the KV cache, run one warm-up step."""
+        model = DecoderModel.load(self.model_path, self.device, self.dtype)
+        tokenizer = Tokenizer.load(self.model_path)
+        gen = self.generation
+        cache = model.new_cache(gen.max_num_seqs, gen.max_model_len)
+        self._model, self._tokenizer, self._cache = model, tokenizer, cache
+        self._warm_up()
+        log.info(
+            "loaded %s (%s, %d layers) on %s: KV cache %d x %d tokens, %.1f MiB",
+            self.model_path,
+            model.spec.family,
+            model.spec.num_layers,
+            self.device,
+            gen.max_num_seqs,
+            gen.max_model_len,
+            cache.nbytes / 2**20,
+        )
+
+    def create_instance(self, index: int) -> None:
+        """Per-thread settings; call on the executor thread before the first step."""
+        if index != 0:
+            raise ValueError("the decoder engine runs on exactly one instance thread")
+        # Intra-op threads are per thread in torch: set them where the steps run.
+        torch.set_num_threads(self.cpu_threads)
+
+    def unload(self) -> None:
+        self._model = self._tokenizer = self._cache = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def model(self) -> DecoderModel:
+        if self._model is None:
+            raise RuntimeError("the decoder engine is not loaded")
+        return self._model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("the decoder engine is not loaded")
+        return self._tokenizer
+
+    @property
+    def cache(self) -> KVCache:
+        if self._cache is None:
+            raise RuntimeError("the decoder engine is not loaded")
+        return self._cache
+
+    @property
+    def num_free_slots(self) -> int:
+        """Sequences that can still be admitted (read between steps)."""
+        return self.cache.num_free
+
+    # --- requests ---------------------------------------------------------------
+
+    def new_sequence(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Sequence:
+        """Validate a request and build its sequence; nothing is allocated yet.
+
+        A text prompt is encoded with the tokenizer's special tokens (e.g.
+        BOS); pass ids for a prompt already rendered and encoded, such as a
+        chat. Raises :class:`InvalidArgument` (``SequenceTooLong`` among
+        them) naming the field and the limit. ``max_tokens`` over the cap is
+        refused; one that would run past ``max_model_len`` is shortened, and
+        the sequence then ends with finish reason "length".
+        """
+        tok, gen = self.tokenizer, self.generation
+        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidArgument("prompt: is empty (no tokens)")
+        vocab = self.model.spec.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"prompt: token id {bad} is out of range (vocabulary {vocab})")
+        if len(ids) >= gen.max_model_len:
+            raise SequenceTooLong(
+                f"prompt: {len(ids)} tokens leave no room to generate within "
+                f"max_model_len ({gen.max_model_len})"
+            )
+        wanted = gen.max_tokens_default if params.max_tokens is None else params.max_tokens
+        if wanted > gen.max_tokens_cap:
+            raise InvalidArgument(
+                f"max_tokens: {wanted} is over this model's limit ({gen.max_tokens_cap})"
+            )
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= tok.eos_token_ids
+        return Sequence(
+            request_id=request_id,
+            prompt_ids=ids,
+            params=params,
+            max_tokens=min(wanted, gen.max_model_len - len(ids)),
+            stop_token_ids=frozenset(stop_ids),
+            generator=make_generator(params.seed),
+            detokenizer=tok.detokenizer(ids),
+            stop=StopMatcher(params.stop),
+        )
+
+    # --- the step -------------------------------------------------------------------
+
+    def step(
+        self, new: Iterable[Sequence] = (), running: Iterable[Sequence] = ()
+    ) -> list[StepOutput]:
+        """Prefill ``new``, decode one token for ``running``; one output per sequence.
+
+        Outputs come in the order ``new`` then ``running``. Raises
+        :class:`CacheFull` (and allocates nothing) when ``new`` has more
+        sequences than free slots. If the model fails, the new sequences get
+        their slots back and the running ones are unchanged, so the caller
+        may fail exactly the requests of this step.
+        """
+        new, running = list(new), list(running)
+        for s in new:
+            if s.slot is not None or s.output_ids or s.finished:
+                raise ValueError(f"sequence '{s.request_id}' has already started")
+        for s in running:
+            if s.slot is None or not s.output_ids or s.finished:
+                raise ValueError(f"sequence '{s.request_id}' is not running")
+        if not new and not running:
+            return []
+        cache, model = self.cache, self.model
+        if len(new) > cache.num_free:
+            raise CacheFull(
+                f"{len(new)} new sequence(s) but only {cache.num_free} free KV-cache slot(s)"
+            )
+        for s in new:
+            s.slot = cache.alloc()
+        try:
+            parts = []
+            if new:
+                parts.append(
+                    model.prefill(cache, [s.slot for s in new], [s.prompt_ids for s in new])  # type: ignore[misc]
+                )
+            if running:
+                parts.append(
+                    model.decode(
+                        cache,
+                        [s.slot for s in running],  # type: ignore[misc]
+                        [s.output_ids[-1] for s in running],
+                        [s.num_tokens - 1 for s in running],
+                    )
+                )
+            seqs = new + running
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        except BaseException:
+            for s in new:
+                self.free(s)
+            raise
+        return [self._append(s, t) for s, t in zip(seqs, tokens, strict=True)]
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's slot (a cancelled one, or after a failed step); idempotent."""
+        if seq.slot is not None:
+            self.cache.free(seq.slot)
+            seq.slot = None
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput:
+        seq.output_ids.append(token)
+        if token in seq.stop_token_ids:
+            text = self._release(seq)
+            if seq.finish_reason is None:
+                seq.finish_reason, seq.stop_reason = "stop", token
+        else:
+            text, matched = seq.stop.push(seq.detokenizer.push(token))
+            if matched:
+                seq.finish_reason, seq.stop_reason = "stop", seq.stop.matched
+            elif len(seq.output_ids) >= seq.max_tokens:
+                text += self._release(seq)
+                if seq.finish_reason is None:
+                    seq.finish_reason = "length"
+        if seq.finished:
+            self.free(seq)
+        return StepOutput(
+            seq.request_id,
+            token,
+            text,
+            seq.finished,
+            seq.finish_reason,
+            seq.prompt_tokens,
+            seq.completion_tokens,
+        )
+
+    def _release(self, seq: Sequence) -> str:
+        """Everything still held back when a sequence ends for a reason other
+        than a stop string. The flushed characters may themselves complete a
+        stop string; then that match is the finish reason."""
+        text, matched = seq.stop.push(seq.detokenizer.flush())
+        if matched:
+            seq.finish_reason, seq.stop_reason = "stop", seq.stop.matched
+            return text
+        return text + seq.stop.flush()
+
+    def _warm_up(self) -> None:
+        """One tiny prefill and decode: fails a broken model at load, not on a request."""
+        cache, model = self.cache, self.model
+        slot = cache.alloc()
+        try:
+            logits = model.prefill(cache, [slot], [[0]])
+            model.decode(cache, [slot], [int(logits.argmax())], [1])
+        finally:
+            cache.free(slot)

@@ -1,0 +1,292 @@
+"""The decoder engine driven the way a continuous batcher drives it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import lm_models
+import pytest
+
+from aserve.engines.decoder import (
+    CacheFull,
+    DecoderEngine,
+    GenerationConfig,
+    SamplingParams,
+    Sequence,
+    SequenceTooLong,
+    StepOutput,
+)
+from aserve.errors import InvalidArgument
+
+GREEDY = SamplingParams(temperature=0)
+TEXTS = [
+    "The quick brown fox",
+    "Hello",
+    "A server streams tokens to many clients, one step at a time",
+    "seven silver",
+    "When a client goes away, its sequence leaves",
+    "Yes",
+]
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def lm_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return lm_models.tiny_model(request.param, tmp_path_factory.getbasetemp() / "lms")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return lm_models.tiny_model("llama", tmp_path_factory.getbasetemp() / "lms")
+
+
+def make_engine(folder: Path, **generation: int) -> DecoderEngine:
+    engine = DecoderEngine(
+        folder, GenerationConfig(**{"max_num_seqs": 4, "max_model_len": 64, **generation})
+    )
+    engine.load()
+    engine.create_instance(0)
+    return engine
+
+
+def drive(
+    engine: DecoderEngine,
+    arrivals: list[tuple[int, Sequence]],
+    cancel_at: dict[str, int] | None = None,
+) -> dict[str, list[StepOutput]]:
+    """A minimal continuous batcher: admit arrived sequences while slots are free,
+    drop cancelled ones between steps, step until everything has finished."""
+    pending, running = list(arrivals), []
+    outputs: dict[str, list[StepOutput]] = defaultdict(list)
+    cancel_at = cancel_at or {}
+    for step in range(500):
+        if not pending and not running:
+            return outputs
+        for seq in [s for s in running if cancel_at.get(s.request_id) == step]:
+            engine.free(seq)
+            running.remove(seq)
+        new = []
+        for arrival in [a for a in pending if a[0] <= step]:
+            if engine.num_free_slots > len(new):
+                new.append(arrival[1])
+                pending.remove(arrival)
+        for out in engine.step(new, running):
+            outputs[out.request_id].append(out)
+        running = [s for s in new + running if not s.finished]
+    raise AssertionError("generation did not finish")
+
+
+def joined(outputs: list[StepOutput]) -> str:
+    return "".join(o.text for o in outputs)
+
+
+def test_greedy_equals_transformers_with_sequences_joining_and_leaving(lm_dir: Path) -> None:
+    engine = make_engine(lm_dir)
+    ref = lm_models.load_reference(lm_dir)
+    budgets = [12, 5, 20, 8, 15, 10]
+    seqs = [
+        engine.new_sequence(f"r{i}", text, SamplingParams(temperature=0, max_tokens=n))
+        for i, (text, n) in enumerate(zip(TEXTS, budgets, strict=True))
+    ]
+    # Two start together, others join mid-way; with 4 slots the last ones
+    # wait for a slot, and r3 is cancelled after a few tokens.
+    arrivals = list(zip([0, 0, 2, 3, 3, 6], seqs, strict=True))
+    outputs = drive(engine, arrivals, cancel_at={"r3": 6})
+    for seq in seqs:
+        want = lm_models.greedy_reference(ref, seq.prompt_ids, seq.max_tokens)
+        if seq.request_id == "r3":
+            assert seq.finish_reason is None and 0 < len(seq.output_ids) < len(want)
+            want = want[: len(seq.output_ids)]
+        assert seq.output_ids == want, seq.request_id
+        assert [o.token_id for o in outputs[seq.request_id]] == seq.output_ids
+    assert len({t for s in seqs for t in s.output_ids}) > 10  # a model that says varied things
+    assert engine.num_free_slots == 4
+
+
+def test_streamed_text_equals_the_decoded_tokens(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    seqs = [
+        engine.new_sequence(f"r{i}", t, SamplingParams(temperature=0, max_tokens=15))
+        for i, t in enumerate(TEXTS[:3])
+    ]
+    outputs = drive(engine, [(0, s) for s in seqs])
+    for seq in seqs:
+        text = joined(outputs[seq.request_id])
+        assert text.strip() == engine.tokenizer.decode(seq.output_ids).strip()
+        assert len(text) > 10
+
+
+def test_max_tokens_finishes_with_length(lm_dir: Path) -> None:
+    engine = make_engine(lm_dir)
+    seq = engine.new_sequence("r", TEXTS[0], SamplingParams(max_tokens=7, ignore_eos=True, seed=1))
+    outputs = drive(engine, [(0, seq)])["r"]
+    assert [o.finished for o in outputs] == [False] * 6 + [True]
+    last = outputs[-1]
+    assert (last.finish_reason, last.completion_tokens, last.prompt_tokens) == (
+        "length",
+        7,
+        len(seq.prompt_ids),
+    )
+    assert seq.slot is None and engine.num_free_slots == 4
+
+
+def test_default_max_tokens_and_cap(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, max_tokens_default=3, max_tokens_cap=10)
+    assert engine.new_sequence("a", "Hello", GREEDY).max_tokens == 3
+    with pytest.raises(InvalidArgument, match=r"max_tokens: 11 is over this model's limit \(10\)"):
+        engine.new_sequence("b", "Hello", SamplingParams(max_tokens=11))
+
+
+def test_max_model_len_shortens_generation_and_refuses_long_prompts(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, max_model_len=16)
+    prompt = engine.tokenizer.encode(TEXTS[2])[:10]
+    seq = engine.new_sequence(
+        "r", prompt, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    )
+    assert seq.max_tokens == 6
+    drive(engine, [(0, seq)])
+    assert seq.finish_reason == "length" and seq.num_tokens == 16
+    with pytest.raises(
+        SequenceTooLong, match=r"16 tokens leave no room to generate within max_model_len \(16\)"
+    ):
+        engine.new_sequence("long", list(range(1, 17)), GREEDY)
+    with pytest.raises(InvalidArgument, match="token id 9999 is out of range"):
+        engine.new_sequence("bad", [1, 9999], GREEDY)
+    with pytest.raises(InvalidArgument, match="prompt: is empty"):
+        engine.new_sequence("empty", [], GREEDY)
+
+
+def test_eos_finishes_with_stop(llama_dir: Path, tmp_path: Path) -> None:
+    engine = make_engine(llama_dir)
+    free_run = engine.new_sequence(
+        "free", TEXTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    free_out = drive(engine, [(0, free_run)])["free"]
+    ids = free_run.output_ids
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    # Declare that token an end-of-sequence token of the model, as a chat model's end-of-turn token is.
+    folder = shutil.copytree(llama_dir, tmp_path / "m")
+    eos = engine.tokenizer.inner.token_to_id("</s>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, ids[k]]}))
+    engine = make_engine(folder)
+    seq = engine.new_sequence("r", TEXTS[0], SamplingParams(temperature=0, max_tokens=12))
+    out = drive(engine, [(0, seq)])["r"]
+    assert seq.output_ids == ids[: k + 1]  # the end token is generated (and counted) ...
+    assert out[-1].finish_reason == "stop" and seq.stop_reason == ids[k]
+    assert joined(out) == joined(free_out[:k])  # ... but adds no text
+    assert out[-1].completion_tokens == k + 1
+
+
+def test_stop_string_ends_generation_and_is_not_emitted(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    free_run = engine.new_sequence(
+        "free", TEXTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )
+    pieces = [o.text for o in drive(engine, [(0, free_run)])["free"]]
+    full = "".join(pieces)
+    # A stop string that straddles two pieces.
+    k = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1])
+    stop = pieces[k][-2:] + pieces[k + 1][:1]
+    seq = engine.new_sequence(
+        "r", TEXTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=(stop,))
+    )
+    out = drive(engine, [(0, seq)])["r"]
+    assert joined(out) == full[: full.index(stop)]
+    assert (out[-1].finish_reason, seq.stop_reason) == ("stop", stop)
+    assert seq.output_ids == free_run.output_ids[: len(seq.output_ids)]
+    assert len(seq.output_ids) < 20
+
+
+def test_text_held_for_a_possible_stop_is_released(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    free_run = engine.new_sequence(
+        "free", TEXTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    )
+    pieces = [o.text for o in drive(engine, [(0, free_run)])["free"]]
+    k = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1])
+    never = pieces[k][-2:] + "\x00"  # starts like the text but can never match
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=(never,))
+    seq = engine.new_sequence("r", TEXTS[1], params)
+    out = [o.text for o in drive(engine, [(0, seq)])["r"]]
+    assert "".join(out) == "".join(pieces)
+    assert out[k] == pieces[k][:-2]  # held back while it could still become the stop string
+    assert out[k + 1].startswith(pieces[k][-2:])  # and released once it could not
+    assert seq.finish_reason == "length"
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(lm_dir: Path) -> None:
+    engine = make_engine(lm_dir)
+    params = SamplingParams(
+        temperature=1.0, top_k=50, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True
+    )
+    alone = engine.new_sequence("x", TEXTS[0], params)
+    drive(engine, [(0, alone)])
+
+    crowd = [
+        engine.new_sequence("a", TEXTS[2], SamplingParams(seed=1, max_tokens=20)),
+        engine.new_sequence("b", TEXTS[3], GREEDY),
+        engine.new_sequence("c", TEXTS[4], SamplingParams(temperature=0.7, max_tokens=4)),
+    ]
+    again = engine.new_sequence("x", TEXTS[0], params)
+    drive(engine, [(0, crowd[0]), (0, crowd[1]), (1, again), (3, crowd[2])])
+    assert again.slot is None and again.output_ids == alone.output_ids
+
+    other_seed = engine.new_sequence(
+        "y", TEXTS[0], SamplingParams(**{**params.__dict__, "seed": 12})
+    )
+    drive(engine, [(0, other_seed)])
+    assert other_seed.output_ids != alone.output_ids
+
+
+def test_cache_full_and_cancellation_free_slots(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, max_num_seqs=2)
+    a, b, c = (
+        engine.new_sequence(n, TEXTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        for n in "abc"
+    )
+    with pytest.raises(CacheFull, match="3 new sequence"):
+        engine.step([a, b, c])
+    assert engine.num_free_slots == 2 and a.slot is None  # nothing was allocated
+    engine.step([a, b])
+    with pytest.raises(CacheFull):
+        engine.step([c], [a, b])
+    engine.free(a)  # the client went away
+    engine.free(a)  # freeing twice is harmless
+    outs = engine.step([c], [b])
+    assert [o.request_id for o in outs] == ["c", "b"]
+    assert c.slot is not None and engine.num_free_slots == 0
+
+
+def test_step_refuses_sequences_in_the_wrong_state(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    seq = engine.new_sequence("r", TEXTS[0], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="'r' is not running"):
+        engine.step([], [seq])
+    [out] = engine.step([seq])
+    assert out.finished and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="'r' has already started"):
+        engine.step([seq])
+    with pytest.raises(ValueError, match="'r' is not running"):
+        engine.step([], [seq])
+    assert engine.step() == []
+
+
+def test_chat_prompt_round_trip(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    tok = engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Hello world"}])
+    ids = tok.encode(text, add_special_tokens=False)
+    assert (
+        ids[0] == tok.inner.token_to_id("<s>") and ids.count(ids[0]) == 1
+    )  # the template's BOS only
+    seq = engine.new_sequence("chat", ids, SamplingParams(temperature=0, max_tokens=3))
+    assert len(drive(engine, [(0, seq)])["chat"]) == seq.completion_tokens <= 3
+
+
+def test_unloaded_engine_says_so(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    engine.unload()
+    with pytest.raises(RuntimeError, match="not loaded"):
+        engine.new_sequence("r", "x", GREEDY)
