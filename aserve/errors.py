@@ -2,8 +2,8 @@
 
 Every failure a client can see is an :class:`AserveError` carrying a stable
 :class:`ErrorCode`. Engines, the scheduler and the codecs raise these and never
-import HTTP or gRPC types; each frontend owns one table that maps a code to its
-own status (``frontends/http_status.py`` for HTTP).
+import HTTP or gRPC types; one table maps each code to its HTTP status and its
+gRPC status code (``frontends/status.py``), which both frontends use.
 
 Messages name what was wrong: the field, the tensor, the value and the limit.
 """

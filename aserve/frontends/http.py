@@ -22,6 +22,7 @@ from aiohttp import web
 from aserve import __version__
 from aserve.codecs.v2 import decode_request, encode_response
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
+from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.request import InferenceRequest
 
 if TYPE_CHECKING:
@@ -29,19 +30,6 @@ if TYPE_CHECKING:
     from aserve.loop.runtime import Server
 
 log = logging.getLogger("aserve.http")
-
-# The one table from error code to HTTP status.
-HTTP_STATUS: dict[ErrorCode, int] = {
-    ErrorCode.INVALID_ARGUMENT: 400,
-    ErrorCode.NOT_FOUND: 404,
-    ErrorCode.TOO_LARGE: 413,
-    ErrorCode.QUEUE_FULL: 429,
-    ErrorCode.UNAVAILABLE: 503,
-    ErrorCode.DEADLINE_EXCEEDED: 504,
-    ErrorCode.CANCELLED: 499,
-    ErrorCode.UNIMPLEMENTED: 501,
-    ErrorCode.INTERNAL: 500,
-}
 
 TIMEOUT_HEADER = "aserve-timeout-ms"
 IHCL = "Inference-Header-Content-Length"

@@ -1,0 +1,37 @@
+"""The one table from error code to wire status, for both frontends.
+
+Each :class:`~aserve.errors.ErrorCode` maps to an HTTP status and a gRPC
+status code here and nowhere else, so the same failure reads the same over
+REST and gRPC. The derived per-frontend dicts are what the hot paths index.
+"""
+
+from __future__ import annotations
+
+from typing import Final, NamedTuple
+
+import grpc
+
+from aserve.errors import ErrorCode
+
+
+class WireStatus(NamedTuple):
+    http: int
+    grpc: grpc.StatusCode
+
+
+STATUS: Final[dict[ErrorCode, WireStatus]] = {
+    ErrorCode.INVALID_ARGUMENT: WireStatus(400, grpc.StatusCode.INVALID_ARGUMENT),
+    ErrorCode.NOT_FOUND: WireStatus(404, grpc.StatusCode.NOT_FOUND),
+    # Both refusals ask the client to send less or later: one gRPC code.
+    ErrorCode.TOO_LARGE: WireStatus(413, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ErrorCode.QUEUE_FULL: WireStatus(429, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ErrorCode.UNAVAILABLE: WireStatus(503, grpc.StatusCode.UNAVAILABLE),
+    ErrorCode.DEADLINE_EXCEEDED: WireStatus(504, grpc.StatusCode.DEADLINE_EXCEEDED),
+    ErrorCode.CANCELLED: WireStatus(499, grpc.StatusCode.CANCELLED),
+    ErrorCode.UNIMPLEMENTED: WireStatus(501, grpc.StatusCode.UNIMPLEMENTED),
+    ErrorCode.INTERNAL: WireStatus(500, grpc.StatusCode.INTERNAL),
+}
+assert set(STATUS) == set(ErrorCode), "every error code needs a wire status"
+
+HTTP_STATUS: Final[dict[ErrorCode, int]] = {code: s.http for code, s in STATUS.items()}
+GRPC_STATUS: Final[dict[ErrorCode, grpc.StatusCode]] = {code: s.grpc for code, s in STATUS.items()}
