@@ -11,22 +11,35 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from math import prod
 from typing import Any
 
 import numpy as np
 import orjson
 
-from aserve.codecs.binary import bytes_elements, tensor_to_bytes
+from aserve.codecs.binary import tensor_to_bytes
 from aserve.codecs.datatypes import numpy_dtype
+from aserve.codecs.validate import (
+    add_input,
+    check_batch,
+    check_input,
+    check_output,
+    request_timeout,
+    tensor_from_bytes,
+)
 from aserve.config import TensorSpec
-from aserve.errors import InvalidArgument, Unimplemented
+from aserve.errors import InvalidArgument
 
 _DUMPS_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 
 @dataclass(slots=True)
 class DecodedRequest:
+    """A validated request, whichever wire format it came in.
+
+    ``binary_default`` is the output encoding asked for when an output does
+    not say: binary tensors over HTTP, raw contents over gRPC.
+    """
+
     inputs: dict[str, np.ndarray]
     batch_size: int
     shape_key: tuple[Any, ...]
@@ -89,37 +102,16 @@ def decode_request(
         raise InvalidArgument("field 'inputs' must be a non-empty list of tensors")
     inputs: dict[str, np.ndarray] = {}
     offset = 0
-    batch_size = -1
     for i, item in enumerate(raw_inputs):
         arr, used = _decode_input(i, item, input_specs, binary, offset, model)
         offset += used
-        name = item["name"]
-        if name in inputs:
-            raise InvalidArgument(f"input '{name}' is given more than once")
-        if arr.ndim == 0:
-            raise InvalidArgument(f"input '{name}': a tensor needs a batch dimension")
-        if batch_size == -1:
-            batch_size = arr.shape[0]
-        elif arr.shape[0] != batch_size:
-            raise InvalidArgument(
-                f"input '{name}' has batch size {arr.shape[0]}, other inputs have {batch_size}"
-            )
-        inputs[name] = arr
+        add_input(inputs, item["name"], arr)
     if binary is not None and offset != len(binary):
         raise InvalidArgument(
             f"binary data is {len(binary)} bytes but the inputs' binary_data_size "
             f"values add up to {offset}"
         )
-    if len(inputs) != len(input_specs):
-        missing = [n for n in input_specs if n not in inputs]
-        raise InvalidArgument(f"missing input(s) {', '.join(missing)} for model '{model}'")
-    if batch_size < 1:
-        raise InvalidArgument("the batch dimension (first of 'shape') must be at least 1")
-    if batch_size > max_batch_size:
-        raise InvalidArgument(
-            f"batch size {batch_size} exceeds max_batch_size {max_batch_size} of model '{model}'"
-        )
-    shape_key = tuple(a.shape[1:] for a in inputs.values()) if variable_shapes else ()
+    batch_size, shape_key = check_batch(inputs, input_specs, model, max_batch_size, variable_shapes)
 
     outputs = None
     raw_outputs = doc.get("outputs")
@@ -136,21 +128,7 @@ def _request_parameters(params: Any) -> tuple[bool, float | None]:
     binary_default = params.get("binary_data_output", False)
     if not isinstance(binary_default, bool):
         raise InvalidArgument("parameter 'binary_data_output' must be true or false")
-    timeout_s = None
-    if "timeout_ms" in params:
-        timeout_s = _positive(params["timeout_ms"], "timeout_ms") / 1e3
-    elif "timeout" in params:  # Triton's spelling, in microseconds
-        timeout_s = _positive(params["timeout"], "timeout") / 1e6
-    seq = params.get("sequence_id")
-    if seq not in (None, 0, ""):
-        raise Unimplemented("sequence batching (parameter 'sequence_id') is not supported")
-    return binary_default, timeout_s
-
-
-def _positive(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise InvalidArgument(f"parameter '{name}' must be a positive number (got {value!r})")
-    return float(value)
+    return binary_default, request_timeout(params)
 
 
 def _decode_input(
@@ -167,35 +145,12 @@ def _decode_input(
     name = item.get("name")
     if not isinstance(name, str):
         raise InvalidArgument(f"inputs[{index}]: field 'name' must be a string")
-    spec = specs.get(name)
-    if spec is None:
-        raise InvalidArgument(
-            f"unknown input '{name}' for model '{model}' (inputs: {', '.join(specs)})"
-        )
-    datatype = item.get("datatype")
-    if datatype != spec.datatype:
-        raise InvalidArgument(
-            f"input '{name}': datatype {datatype!r} does not match the model's {spec.datatype}"
-        )
-    shape = item.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) != len(spec.shape) + 1
-        or not all(type(d) is int and d >= 0 for d in shape)
-        or any(want != -1 and want != got for want, got in zip(spec.shape, shape[1:], strict=True))
-    ):
-        raise InvalidArgument(
-            f"input '{name}': shape {shape!r} does not match the model's "
-            f"[batch, {', '.join(map(str, spec.shape))}]"
-            + (" (-1: any size)" if -1 in spec.shape else "")
-        )
-    count = prod(shape)
     params = item.get("parameters")
-    size = params.get("binary_data_size") if isinstance(params, dict) else None
     if params is not None and not isinstance(params, dict):
         raise InvalidArgument(f"input '{name}': field 'parameters' must be an object")
-    if isinstance(params, dict) and "shared_memory_region" in params:
-        raise Unimplemented(f"input '{name}': shared memory is not supported")
+    shape = item.get("shape")
+    spec, count = check_input(name, item.get("datatype"), shape, params, specs, model)
+    size = params.get("binary_data_size") if params is not None else None
 
     if size is not None:
         if binary is None:
@@ -213,7 +168,7 @@ def _decode_input(
                 f"({len(binary) - offset} bytes left)"
             )
         chunk = binary[offset : offset + size]
-        return _from_binary(name, spec.datatype, shape, count, chunk), size
+        return tensor_from_bytes(name, spec.datatype, shape, count, chunk, "binary_data_size"), size
 
     data = item.get("data")
     if data is None:
@@ -221,24 +176,6 @@ def _decode_input(
             f"input '{name}' has no data: give 'data' or parameters.binary_data_size"
         )
     return _from_json(name, spec.datatype, shape, count, data), 0
-
-
-def _from_binary(
-    name: str, datatype: str, shape: list[int], count: int, chunk: memoryview
-) -> np.ndarray:
-    if datatype == "BYTES":
-        try:
-            return bytes_elements(chunk, count).reshape(shape)
-        except ValueError as exc:
-            raise InvalidArgument(f"input '{name}': BYTES binary data {exc}") from None
-    dtype = numpy_dtype(datatype)
-    want = count * dtype.itemsize
-    if len(chunk) != want:
-        raise InvalidArgument(
-            f"input '{name}': binary_data_size is {len(chunk)} bytes, but shape {shape} of "
-            f"{datatype} needs {want}"
-        )
-    return np.frombuffer(chunk, dtype=dtype.newbyteorder("<")).reshape(shape)
 
 
 def _from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
@@ -284,19 +221,12 @@ def _requested_outputs(
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgument(f"outputs[{i}] must be an object with a string 'name'")
         name = item["name"]
-        if name not in specs:
-            raise InvalidArgument(
-                f"unknown output '{name}' for model '{model}' (outputs: {', '.join(specs)})"
-            )
         binary = None
         params = item.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidArgument(f"output '{name}': field 'parameters' must be an object")
+        check_output(name, params, specs, model)
         if params is not None:
-            if not isinstance(params, dict):
-                raise InvalidArgument(f"output '{name}': field 'parameters' must be an object")
-            if params.get("classification"):
-                raise Unimplemented(f"output '{name}': classification is not supported")
-            if "shared_memory_region" in params:
-                raise Unimplemented(f"output '{name}': shared memory is not supported")
             binary = params.get("binary_data")
             if binary is not None and not isinstance(binary, bool):
                 raise InvalidArgument(
