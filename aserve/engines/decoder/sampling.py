@@ -99,6 +99,7 @@ def filtered_probs(
     return probs, ids
 
 
+@torch.inference_mode()
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
