@@ -16,7 +16,9 @@ log = logging.getLogger("aserve")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="aserve", description="Serve deep-learning models over HTTP.")
+    p = argparse.ArgumentParser(
+        prog="aserve", description="Serve deep-learning models over HTTP and gRPC."
+    )
     p.add_argument(
         "--config",
         type=Path,

@@ -37,8 +37,19 @@ class HttpConfig(_Frozen):
     port: Annotated[int, Field(ge=0, le=65535)] = 8000  # 0 picks a free port
 
 
+class GrpcConfig(_Frozen):
+    """Where the KServe V2 gRPC frontend listens (on the same loop as HTTP)."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8001  # 0 picks a free port
+
+
 class LimitsConfig(_Frozen):
-    """Server-wide limits; a request over one is refused at once."""
+    """Server-wide limits; a request over one is refused at once.
+
+    ``max_request_bytes`` bounds an HTTP body and a gRPC message (each message
+    of a stream) alike.
+    """
 
     max_request_bytes: Annotated[int, Field(ge=1)] = 64 * 1024 * 1024
 
@@ -123,6 +134,7 @@ class ServerConfig(_Frozen):
     """The whole server config (the JSON file)."""
 
     http: HttpConfig = HttpConfig()
+    grpc: GrpcConfig | None = None  # absent: no gRPC frontend
     limits: LimitsConfig = LimitsConfig()
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     models: list[ModelConfig] = []

@@ -1,8 +1,9 @@
 """Fixtures: test models on disk and real aserve servers on loopback.
 
-Servers run as subprocesses (``python -m aserve --config ...``) on a free
-port; readiness is polled from the log line and ``/v2/health/ready``, never
-guessed with sleeps.
+Servers run as subprocesses (``python -m aserve --config ...``) on free
+ports; readiness is polled from the log lines and ``/v2/health/ready``, never
+guessed with sleeps. A config with a ``grpc`` section gets gRPC on a free
+port too (``"port": 0``), learnt from its log line.
 """
 
 from __future__ import annotations
@@ -34,11 +35,17 @@ START_TIMEOUT_S = 60
 class ServerProcess:
     proc: subprocess.Popen[str]
     port: int
+    grpc_port: int | None = None
     log: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def grpc_url(self) -> str:
+        assert self.grpc_port is not None, "this server has no gRPC frontend"
+        return f"127.0.0.1:{self.grpc_port}"
 
     @property
     def base(self) -> str:
@@ -86,14 +93,20 @@ def start_server(config_path: Path, extra_env: dict[str, str] | None = None) -> 
     )
     server = ServerProcess(proc, 0)
     port_found = threading.Event()
+    wants_grpc = "grpc" in json.loads(config_path.read_text())
 
     def pump() -> None:
         assert proc.stderr is not None
         for line in proc.stderr:
             server.log.append(line)
+            m = re.search(r"gRPC \(KServe V2\) listening on \S+:(\d+)", line)
+            if m and server.grpc_port is None:
+                server.grpc_port = int(m.group(1))
             m = re.search(r"listening on http://[^:]+:(\d+)", line)
-            if m and not port_found.is_set():
+            if m and not server.port:
                 server.port = int(m.group(1))
+            # gRPC starts after HTTP: both are known once its line is seen.
+            if server.port and (server.grpc_port or not wants_grpc):
                 port_found.set()
 
     threading.Thread(target=pump, daemon=True).start()
@@ -162,13 +175,28 @@ def standard_models() -> list[dict[str, Any]]:
             "sleepy", "sleepy.pt", [spec("X", "FP32", [2])], [spec("Y", "FP32", [1])],
             batching={"max_batch_size": 2},
         ),
+        model_entry("fussy", "fussy.pt", [spec("X", "FP32", [2])], [spec("Y", "FP32", [2])]),
     ]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def server(model_dir: Path) -> Iterator[ServerProcess]:
     """One shared server with every standard test model."""
-    config = {"limits": {"max_request_bytes": 2 * 1024 * 1024}, "models": standard_models()}
+    config = {
+        "limits": {"max_request_bytes": 2 * 1024 * 1024},
+        "grpc": {"port": 0},
+        "models": standard_models(),
+    }
     srv = start_server(write_config(model_dir, config))
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def grpc_client(server: ServerProcess) -> Iterator[Any]:
+    """A tritonclient.grpc client of the shared server."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    yield client
+    client.close()

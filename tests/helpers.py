@@ -1,12 +1,16 @@
-"""Small async helpers for talking to a test server with aiohttp."""
+"""Small helpers for talking to a test server: aiohttp (async) and urllib (sync)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from typing import Any
 
 import aiohttp
+import numpy as np
+import orjson
+import tritonclient.grpc as grpcclient
 
 
 def v2_body(
@@ -40,3 +44,41 @@ async def wait_idle(session: aiohttp.ClientSession, base: str, model: str) -> di
         session, base, model,
         lambda s: s["pending_request_count"] == 0 and s["running_batch_count"] == 0,
     )  # fmt: skip
+
+
+def sync_stats(base: str, model: str) -> dict[str, Any]:
+    """The model's statistics over HTTP, for tests that are not async."""
+    with urllib.request.urlopen(f"{base}/v2/models/{model}/stats", timeout=10) as r:
+        return orjson.loads(r.read())["model_stats"][0]
+
+
+def sync_wait_for_stats(base: str, model: str, check: Any, timeout: float = 20.0) -> dict[str, Any]:
+    """Poll the model's statistics until ``check(stats)`` holds (blocking)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = sync_stats(base, model)
+        if check(s):
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached; last stats: {s}")
+        time.sleep(0.02)
+
+
+def mixed_arrays(seed: int = 5) -> dict[str, np.ndarray]:
+    """One [2, 3] array per input of the "mixed" model (suffixes of IN_*/OUT_*)."""
+    rng = np.random.default_rng(seed)
+    return {
+        "FLAGS": np.array([[True, False, True], [False, False, True]]),
+        "SMALL": rng.integers(-60, 60, (2, 3)).astype(np.int8),
+        "BIG": rng.integers(-(2**40), 2**40, (2, 3)).astype(np.int64),
+        "HALF": rng.standard_normal((2, 3)).astype(np.float16),
+        "DOUBLE": rng.standard_normal((2, 3)).astype(np.float64),
+        "OCTETS": rng.integers(0, 250, (2, 3)).astype(np.uint8),
+    }
+
+
+def grpc_input(name: str, arr: np.ndarray) -> grpcclient.InferInput:
+    """A tritonclient.grpc input holding ``arr`` (sent raw, as tritonclient always does)."""
+    inp = grpcclient.InferInput(name, list(arr.shape), grpcclient.np_to_triton_dtype(arr.dtype))
+    inp.set_data_from_numpy(arr)
+    return inp

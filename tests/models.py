@@ -86,6 +86,16 @@ class Spin(torch.nn.Module):
         return x.sum(dim=1, keepdim=True) + y.sum() * 0
 
 
+class Fussy(torch.nn.Module):
+    """Doubles its input, and fails on purpose when any element is negative:
+    a model error (INTERNAL) that tests can cause at will."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x < 0).any()):
+            raise RuntimeError("negative input")
+        return x * 2
+
+
 def build_all(folder: Path) -> dict[str, torch.nn.Module]:
     """Write every test model into ``folder``; returns the eager modules by file name."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -94,6 +104,7 @@ def build_all(folder: Path) -> dict[str, torch.nn.Module]:
     _script_save(mixed, folder / "mixed.pt")
     _script_save(Spin(), folder / "spin.pt")
     _script_save(Spin(iters=15000), folder / "sleepy.pt")
+    _script_save(Fussy(), folder / "fussy.pt")
     batch = Dim("batch", min=1, max=64)
     example = (torch.randn(2, 8), torch.randn(2, 8))
     program = torch.export.export(pair, example, dynamic_shapes=({0: batch}, {0: batch}))

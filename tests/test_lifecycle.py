@@ -40,6 +40,7 @@ BAD_CONFIGS = [
     ({"models": [{k: v for k, v in _affine_entry().items() if k != "inputs"}]},
      "models[0].inputs: required key is missing"),
     ({"http": {"port": 70000}}, "http.port: must be <= 65535"),
+    ({"grpc": {"port": 70000}}, "grpc.port: must be <= 65535"),
     ({"models": [_affine_entry(), _affine_entry()]}, "model 'affine' version '1' is configured twice"),
 ]  # fmt: skip
 

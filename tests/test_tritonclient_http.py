@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.http as httpclient
+from helpers import mixed_arrays
 from tritonclient.utils import InferenceServerException
 
 
@@ -92,15 +93,7 @@ def test_infer_exported_program_two_inputs_two_outputs(client, eager_models):
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 def test_infer_every_numeric_datatype(client, eager_models, binary):
-    rng = np.random.default_rng(5)
-    arrays = {
-        "FLAGS": np.array([[True, False, True], [False, False, True]]),
-        "SMALL": rng.integers(-60, 60, (2, 3)).astype(np.int8),
-        "BIG": rng.integers(-(2**40), 2**40, (2, 3)).astype(np.int64),
-        "HALF": rng.standard_normal((2, 3)).astype(np.float16),
-        "DOUBLE": rng.standard_normal((2, 3)).astype(np.float64),
-        "OCTETS": rng.integers(0, 250, (2, 3)).astype(np.uint8),
-    }
+    arrays = mixed_arrays()
     # JSON cannot carry FP16 for tritonclient: that one always goes binary.
     inputs = [_input(f"IN_{k}", v, binary or k == "HALF") for k, v in arrays.items()]
     outputs = [httpclient.InferRequestedOutput(f"OUT_{k}", binary_data=binary or k == "HALF")

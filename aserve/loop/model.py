@@ -28,6 +28,7 @@ from aserve.stats import ModelStats
 log = logging.getLogger("aserve.model")
 
 PLATFORMS = {"torch": "pytorch_torchscript"}
+BACKENDS = {"torch": "pytorch"}
 
 
 class ModelState(enum.Enum):
@@ -114,6 +115,35 @@ class ModelRuntime:
             raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
         self.batcher.submit(req)
 
+    async def infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        batch_size: int,
+        shape_key: tuple[Any, ...],
+        timeout_s: float,
+        client_id: str | None = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Queue one validated request and wait for its outputs.
+
+        Refusals (queue full, deadline unmeetable, not ready) raise at once.
+        Cancelling the awaiting task, which is what a frontend sees when its
+        client goes away, takes the request out of the queue; a batch already
+        running for it finishes, and its answer is dropped.
+        """
+        now = time.monotonic()
+        req = InferenceRequest(
+            inputs, batch_size, shape_key, now, now + timeout_s,
+            asyncio.get_running_loop().create_future(), client_id, parameters,
+        )  # fmt: skip
+        self.submit(req)
+        try:
+            return await req.future
+        except asyncio.CancelledError:
+            if self.batcher is not None:
+                self.batcher.forget(req)
+            raise
+
     @property
     def busy(self) -> bool:
         return self.batcher is not None and not self.batcher.idle
@@ -125,6 +155,42 @@ class ModelRuntime:
             "platform": PLATFORMS[self.config.engine],
             "inputs": [_tensor_meta(s.name, s.datatype, s.shape) for s in self.config.inputs],
             "outputs": [_tensor_meta(s.name, s.datatype, s.shape) for s in self.config.outputs],
+        }
+
+    def triton_config(self) -> dict[str, Any]:
+        """The model's config in Triton's ModelConfig vocabulary (its JSON form).
+
+        Settings with no Triton field go in ``parameters`` as strings.
+        """
+        c, b = self.config, self.config.batching
+        group: dict[str, Any] = {"name": self.name, "count": c.instances}
+        if c.device == "cpu":
+            group["kind"] = "KIND_CPU"
+        else:
+            group["kind"] = "KIND_GPU"
+            group["gpus"] = [int(c.device.partition(":")[2] or 0)]
+        return {
+            "name": self.name,
+            "platform": PLATFORMS[c.engine],
+            "backend": BACKENDS[c.engine],
+            "max_batch_size": b.max_batch_size,
+            "input": [_config_tensor(s.name, s.datatype, s.shape) for s in c.inputs],
+            "output": [_config_tensor(s.name, s.datatype, s.shape) for s in c.outputs],
+            "dynamic_batching": {
+                "preferred_batch_size": list(b.preferred_batch_sizes),
+                "max_queue_delay_microseconds": round(b.max_delay_ms * 1000),
+            },
+            "instance_group": [group],
+            "parameters": {
+                k: {"string_value": str(v)}
+                for k, v in (
+                    ("version", self.version),
+                    ("device", c.device),
+                    ("cpu_threads", c.cpu_threads),
+                    ("max_queue_size", b.max_queue_size),
+                    ("timeout_ms", b.timeout_ms),
+                )
+            },
         }
 
     def statistics(self) -> dict[str, Any]:
@@ -152,6 +218,12 @@ def _settle_job(job: BatchJob) -> None:
 def _tensor_meta(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
     # Every model has a batch dimension, reported as variable.
     return {"name": name, "datatype": datatype, "shape": [-1, *shape]}
+
+
+def _config_tensor(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
+    # Triton spells BYTES as TYPE_STRING; dims exclude the batch dimension.
+    data_type = "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+    return {"name": name, "data_type": data_type, "dims": list(shape)}
 
 
 def _dummy(datatype: str, shape: list[int], batch: int) -> np.ndarray:

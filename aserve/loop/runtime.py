@@ -15,6 +15,7 @@ import signal
 from pathlib import Path
 
 from aserve.config import ServerConfig
+from aserve.frontends.grpc import GrpcFrontend
 from aserve.frontends.http import HttpFrontend
 from aserve.loop.model import ModelRuntime
 from aserve.loop.registry import ModelRegistry
@@ -40,6 +41,7 @@ class Server:
         self.state = ServerState.STARTING
         self.registry = ModelRegistry()
         self.http = HttpFrontend(self)
+        self.grpc = GrpcFrontend(self) if config.grpc is not None else None
         self._stop_requested: asyncio.Event | None = None
         self._loaded: list[ModelRuntime] = []
 
@@ -64,8 +66,17 @@ class Server:
         if failed:
             await self._unload_all()
             raise StartupError("\n".join(failed))
-        await self.http.start()
+        try:
+            await self.http.start()
+            if self.grpc is not None:
+                await self.grpc.start()
+        except OSError as exc:
+            await self.http.stop()
+            await self._unload_all()
+            raise StartupError(f"cannot listen: {exc}") from None
         self.state = ServerState.READY
+        if self.grpc is not None:
+            await self.grpc.update_health()
         log.info("ready: %d model(s) serving", len(self._loaded))
 
     async def run(self) -> None:
@@ -96,9 +107,13 @@ class Server:
         was_serving = self.state is ServerState.READY
         self.state = ServerState.DRAINING
         if was_serving:
-            # Closes the listeners, then waits for in-flight handlers (their
-            # requests are still being batched: models stay loaded until after).
-            await self.http.stop()
+            # Each frontend closes its listeners, then waits for its in-flight
+            # calls (their requests are still being batched: models stay
+            # loaded until after). gRPC health turns NOT_SERVING first thing.
+            stopping = [self.http.stop()]
+            if self.grpc is not None:
+                stopping.append(self.grpc.stop())
+            await asyncio.gather(*stopping)
         await self._unload_all()
         self.state = ServerState.STOPPED
         log.info("stopped")

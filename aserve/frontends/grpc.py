@@ -1,0 +1,370 @@
+"""The grpc.aio frontend: KServe V2 gRPC (Triton's superset), health, reflection.
+
+It runs on the same event loop as the aiohttp frontend and shares everything
+behind it: routing, the batchers, limits and statistics. Handlers decode a
+ModelInferRequest, submit it through :meth:`ModelRuntime.infer` and encode
+the answer. Errors end the call with the gRPC code from
+:data:`aserve.frontends.status.GRPC_STATUS` and a message naming the field or
+tensor; on ModelStreamInfer they travel per request in ``error_message`` and
+the stream goes on.
+
+Deadlines and cancellation: the call's deadline becomes the request's
+deadline (or the ``timeout`` parameter, if sooner). A client that cancels, or
+whose deadline passes, makes grpc.aio cancel the handler; the request then
+leaves its queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+import grpc
+from google.protobuf import json_format
+from grpc_health.v1 import health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from aserve import __version__
+from aserve._proto import grpc_service_pb2 as pb
+from aserve._proto import grpc_service_pb2_grpc as pb_grpc
+from aserve._proto import model_config_pb2
+from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
+from aserve.errors import AserveError, InternalError
+from aserve.frontends.grpc_health import REFLECTED_SERVICES, Health, reflection_pool
+from aserve.frontends.status import GRPC_STATUS
+
+if TYPE_CHECKING:
+    from aserve.loop.model import ModelRuntime
+    from aserve.loop.runtime import Server
+
+log = logging.getLogger("aserve.grpc")
+
+EXTENSIONS: Final = ["parameters", "statistics", "model_configuration"]
+# Requests one stream may have in flight (read, not yet answered). Past it the
+# stream stops reading, and HTTP/2 flow control pushes back on the client.
+STREAM_MAX_IN_FLIGHT: Final = 1024
+_FINAL = "triton_final_response"
+_EMPTY_FINAL = "triton_enable_empty_final_response"
+
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+_Handler = Callable[[Any, _Request, grpc.aio.ServicerContext], Awaitable[_Response]]
+
+
+def _as_error(exc: Exception, rpc: str, request: Any) -> AserveError:
+    if isinstance(exc, AserveError):
+        return exc
+    # A bug, not the client's fault: answer INTERNAL and keep serving.
+    log.exception("%s (request id %r) failed unexpectedly", rpc, getattr(request, "id", ""))
+    return InternalError(f"internal error: {exc!r}")
+
+
+def _unary(method: _Handler[_Request, _Response]) -> _Handler[_Request, _Response]:
+    """End the call with the error's gRPC status when ``method`` raises."""
+
+    @functools.wraps(method)
+    async def handler(self: Any, request: _Request, context: grpc.aio.ServicerContext) -> _Response:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # CancelledError is not an Exception: it propagates
+            error = _as_error(exc, method.__name__, request)
+        await context.abort(GRPC_STATUS[error.code], error.message)
+        raise AssertionError("unreachable: abort raises")
+
+    return handler
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """``inference.GRPCInferenceService``; RPCs not defined here answer UNIMPLEMENTED."""
+
+    def __init__(self, server: Server, frontend: GrpcFrontend) -> None:
+        self._server = server
+        self._frontend = frontend
+
+    def _runtime(self, name: str, version: str) -> ModelRuntime:
+        return self._server.registry.get(name, version or None)
+
+    def _every_runtime(self) -> list[ModelRuntime]:
+        return sorted(self._server.registry, key=lambda rt: (rt.name, int(rt.version)))
+
+    # --- health and metadata --------------------------------------------------
+
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: Any
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: Any
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._server.not_ready_reason() is None)
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: Any
+    ) -> pb.ModelReadyResponse:
+        # An unknown model is "not ready" rather than an error: what Triton's
+        # clients expect from a readiness probe.
+        try:
+            runtime = self._runtime(request.name, request.version)
+        except AserveError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=runtime.ready)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: Any
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="aserve", version=__version__, extensions=EXTENSIONS)
+
+    @_unary
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: Any
+    ) -> pb.ModelMetadataResponse:
+        return json_format.ParseDict(
+            self._runtime(request.name, request.version).metadata(), pb.ModelMetadataResponse()
+        )
+
+    @_unary
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: Any
+    ) -> pb.ModelConfigResponse:
+        runtime = self._runtime(request.name, request.version)
+        config = json_format.ParseDict(runtime.triton_config(), model_config_pb2.ModelConfig())
+        return pb.ModelConfigResponse(config=config)
+
+    @_unary
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Any
+    ) -> pb.ModelStatisticsResponse:
+        # The same selection as HTTP's /stats: one model (its highest version
+        # unless one is named), or every model when no name is given.
+        if request.name:
+            runtimes = [self._runtime(request.name, request.version)]
+        else:
+            runtimes = self._every_runtime()
+        response = pb.ModelStatisticsResponse()
+        for rt in runtimes:
+            # aserve's own gauges (pending_request_count, ...) have no field here.
+            json_format.ParseDict(
+                rt.statistics(), response.model_stats.add(), ignore_unknown_fields=True
+            )
+        return response
+
+    @_unary
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Any
+    ) -> pb.RepositoryIndexResponse:
+        response = pb.RepositoryIndexResponse()
+        for rt in self._every_runtime():
+            if not request.ready or rt.ready:
+                response.models.add(name=rt.name, version=rt.version, state=rt.state.value)
+        return response
+
+    # --- inference ------------------------------------------------------------
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, deadline_s: float | None
+    ) -> pb.ModelInferResponse:
+        """Run one request; ``deadline_s`` is the seconds the call has left, if bounded."""
+        runtime = self._runtime(request.model_name, request.model_version)
+        decoded = decode_infer_request(
+            request,
+            runtime.name,
+            runtime.input_specs,
+            runtime.output_specs,
+            runtime.max_batch_size,
+            runtime.variable_shapes,
+        )
+        timeout = decoded.timeout_s
+        if deadline_s is not None:
+            # Past the call's deadline nobody waits for the answer.
+            timeout = deadline_s if timeout is None else min(timeout, deadline_s)
+        outputs = await runtime.infer(
+            decoded.inputs,
+            decoded.batch_size,
+            decoded.shape_key,
+            runtime.default_timeout_s if timeout is None else timeout,
+            decoded.client_id,
+            decoded.parameters,
+        )
+        return encode_infer_response(
+            runtime.name, runtime.version, decoded, outputs, runtime.output_specs
+        )
+
+    @_unary
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
+        with self._frontend.serving():
+            return await self._infer(request, context.time_remaining())
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        with self._frontend.serving():
+            await _Stream(self, context).run(request_iterator)
+
+
+class _Stream:
+    """One ModelStreamInfer call: a reader, one task per request, one writer.
+
+    Requests run concurrently and are answered as they finish, so responses
+    may leave out of order; each carries its request's id. When the client
+    half-closes, the requests in flight are answered and the call ends OK.
+    When the call is cancelled, every request still in flight is cancelled
+    and leaves its queue.
+    """
+
+    def __init__(self, servicer: InferenceServicer, context: grpc.aio.ServicerContext) -> None:
+        self._servicer = servicer
+        self._context = context
+        # One entry per request: its responses (two with an empty final one).
+        self._outbox: asyncio.Queue[list[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
+        self._slots = asyncio.Semaphore(STREAM_MAX_IN_FLIGHT)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+        reader = asyncio.create_task(self._read(requests), name="grpc-stream-reader")
+        try:
+            while (messages := await self._outbox.get()) is not None:
+                for message in messages:
+                    await self._context.write(message)
+                self._slots.release()
+            await reader  # re-raises whatever ended the reading early
+        finally:
+            reader.cancel()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(reader, *self._tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+        try:
+            async for request in requests:
+                await self._slots.acquire()
+                task = asyncio.create_task(self._answer(request), name=f"grpc-stream-{request.id}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            # Half-closed: nothing new can arrive, so these are the last ones.
+            await asyncio.gather(*self._tasks)
+        finally:
+            self._outbox.put_nowait(None)
+
+    async def _answer(self, request: pb.ModelInferRequest) -> None:
+        try:
+            response = await self._servicer._infer(request, self._context.time_remaining())
+        except Exception as exc:  # CancelledError propagates: the stream is going away
+            error = _as_error(exc, "ModelStreamInfer", request)
+            failed = pb.ModelInferResponse(
+                model_name=request.model_name, model_version=request.model_version, id=request.id
+            )
+            failed.parameters[_FINAL].bool_param = True
+            self._outbox.put_nowait(
+                [pb.ModelStreamInferResponse(error_message=error.message, infer_response=failed)]
+            )
+            return
+        empty_final = _bool_parameter(request, _EMPTY_FINAL)
+        response.parameters[_FINAL].bool_param = not empty_final
+        messages = [pb.ModelStreamInferResponse(infer_response=response)]
+        if empty_final:
+            final = pb.ModelInferResponse(
+                model_name=response.model_name, model_version=response.model_version, id=response.id
+            )
+            final.parameters[_FINAL].bool_param = True
+            messages.append(pb.ModelStreamInferResponse(infer_response=final))
+        self._outbox.put_nowait(messages)
+
+
+def _bool_parameter(request: pb.ModelInferRequest, key: str) -> bool:
+    param = request.parameters.get(key)
+    return (
+        param is not None
+        and param.WhichOneof("parameter_choice") == "bool_param"
+        and param.bool_param
+    )
+
+
+class GrpcFrontend:
+    """The grpc.aio server: its listeners, services and graceful stop."""
+
+    def __init__(self, server: Server) -> None:
+        assert server.config.grpc is not None
+        self._server = server
+        self._config = server.config.grpc
+        self._grace_s = server.config.drain_timeout_s
+        self.health = Health()
+        self._grpc: grpc.aio.Server | None = None
+        self.inflight = 0  # inference calls (unary and streams) being served
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.addresses: list[tuple[str, int]] = []
+
+    # --- lifecycle ------------------------------------------------------------
+
+    async def start(self) -> None:
+        limits = self._server.config.limits
+        server = grpc.aio.server(
+            options=[
+                # The limit is on what clients send (one message of a stream
+                # each); answers may be larger, as over HTTP.
+                ("grpc.max_receive_message_length", limits.max_request_bytes),
+                ("grpc.max_send_message_length", -1),
+                # grpc's default SO_REUSEPORT would let a second server bind
+                # the same port and silently share its traffic.
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceServicer(self._server, self), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
+        reflection.enable_server_reflection(REFLECTED_SERVICES, server, pool=reflection_pool())
+        await self.health.update(False, self._server.registry)
+        host = self._config.host
+        address = f"[{host}]:{self._config.port}" if ":" in host else f"{host}:{self._config.port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc's way of saying the bind failed
+            raise OSError(f"gRPC cannot listen on {address}: {exc}") from None
+        await server.start()
+        self._grpc = server
+        self.addresses = [(host, port)]
+        log.info("gRPC (KServe V2) listening on %s:%d", host, port)
+
+    async def update_health(self) -> None:
+        """Report readiness again (the server's or a model's changed)."""
+        await self.health.update(self._server.not_ready_reason() is None, self._server.registry)
+
+    async def stop(self) -> None:
+        """Drain: health turns NOT_SERVING, new calls are refused, in-flight
+        inference finishes (up to the drain timeout), then the rest is cancelled."""
+        await self.health.draining()
+        if self._grpc is None:
+            return
+        graceful = asyncio.create_task(self._grpc.stop(self._grace_s))
+        # A graceful stop also waits for health watches and reflection
+        # streams, which never end by themselves: once inference is done,
+        # cancel what is left instead of waiting out the whole grace period.
+        try:
+            await asyncio.wait_for(self._idle.wait(), self._grace_s)
+        except asyncio.TimeoutError:
+            pass
+        await self._grpc.stop(None)
+        await graceful
+        self._grpc = None
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Count an inference call as in flight for the duration of a ``with``."""
+        self.inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
