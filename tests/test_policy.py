@@ -107,3 +107,13 @@ def test_arrival_rate_follows_bursts_and_silence():
     rate.observe(t + 1.0)
     assert rate.per_second(t + 1.0) < 2.0
     assert not math.isinf(rate.per_second(t + 1.0))
+
+
+def test_one_outlier_moves_an_estimate_at_most_twofold():
+    lat = LatencyModel(8)
+    lat.observe(1, 0.001)
+    lat.observe(1, 10.0)  # a huge input on a variable-shape model
+    assert lat.estimate(1) == pytest.approx(0.002)
+    for _ in range(20):  # a lasting change still takes over
+        lat.observe(1, 0.5)
+    assert lat.estimate(1) == pytest.approx(0.5, rel=0.05)

@@ -1,7 +1,7 @@
 """The aiohttp frontend: KServe V2 REST with the binary tensor extension.
 
 Handlers run on the loop. The infer handler decodes and validates the body,
-submits an :class:`InferenceRequest` to the model's runtime and awaits its
+hands the request to the model's runtime (``ModelRuntime.infer``) and awaits its
 future; when the client disconnects, aiohttp cancels the handler and the
 request leaves the queue. Every error answers ``{"error": "..."}`` with the
 status from :data:`HTTP_STATUS`.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import logging
-import time
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,6 @@ from aserve import __version__
 from aserve.codecs.v2 import decode_request, encode_response
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
 from aserve.frontends.status import HTTP_STATUS
-from aserve.loop.request import InferenceRequest
 
 if TYPE_CHECKING:
     from aserve.loop.model import ModelRuntime
@@ -206,26 +204,14 @@ class HttpFrontend:
         header_timeout = headers.get(TIMEOUT_HEADER)
         if header_timeout is not None:
             timeout = _header_timeout(header_timeout)
-        loop = asyncio.get_running_loop()
-        now = time.monotonic()
-        req = InferenceRequest(
+        outputs = await runtime.infer(
             decoded.inputs,
             decoded.batch_size,
             decoded.shape_key,
-            now,
-            now + (timeout if timeout is not None else runtime.default_timeout_s),
-            loop.create_future(),
+            timeout if timeout is not None else runtime.default_timeout_s,
             decoded.client_id,
             decoded.parameters,
         )
-        runtime.submit(req)
-        try:
-            outputs = await req.future
-        except asyncio.CancelledError:
-            # The client went away: the request must not stay queued.
-            if runtime.batcher is not None:
-                runtime.batcher.forget(req)
-            raise
         payload, json_length = encode_response(
             runtime.name, runtime.version, decoded, outputs, runtime.output_specs
         )

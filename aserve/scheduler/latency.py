@@ -9,7 +9,9 @@ class LatencyModel:
     """Estimated seconds to run a batch of each size (1..max_batch_size).
 
     Each measured size keeps an exponentially weighted mean, so the estimate
-    follows slow drifts (thermal, other load) without jumping on one outlier.
+    follows slow drifts (thermal, other load); one observation can move it by
+    at most a factor of two, so a single outlier cannot make admission control
+    refuse every request that follows.
     Unmeasured sizes are interpolated linearly between measured neighbours;
     above the largest measured size the per-item cost of that size is
     extrapolated (an upper bound for the usual affine cost curve), below the
@@ -32,7 +34,14 @@ class LatencyModel:
     def observe(self, size: int, seconds: float) -> None:
         size = min(max(size, 1), self._max)
         old = self._measured.get(size)
-        self._measured[size] = seconds if old is None else old + self._alpha * (seconds - old)
+        if old is None:
+            self._measured[size] = seconds
+        else:
+            # One outlier (a huge input on a variable-shape model, a stall) may
+            # at most double or halve an estimate; a lasting change still wins
+            # within a few batches.
+            new = old + self._alpha * (seconds - old)
+            self._measured[size] = min(max(new, old / 2), old * 2)
         self._table = None
 
     def estimate(self, size: int) -> float:
