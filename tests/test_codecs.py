@@ -122,12 +122,14 @@ def test_output_selection_per_output_binary_flag():
     (b"{}", "abc", ["Inference-Header-Content-Length", "abc"]),
     (b"{}", "0", ["raw binary"]),
     (b"{}", "99", ["outside the body"]),
+    (b'{"inputs":[{"name":"T","shape":[1,2],"datatype":"BYTES","parameters":{"binary_data_size":11}}]}'
+     + b"\x01\x00\x00\x00a\x05\x00\x00\x00ab", "98", ["T", "BYTES", "element 1"]),
     (b'{"inputs":[{"name":"T","shape":[1,2],"datatype":"BYTES","parameters":{"binary_data_size":6}}]}'
-     + b"\x05\x00\x00\x00ab", "98", ["T", "BYTES", "element 0"]),
+     + b"\x05\x00\x00\x00ab", "98", ["T", "BYTES", "too short for 2 elements"]),
 ])  # fmt: skip
 def test_binary_framing_errors(body, ihcl, words):
-    if ihcl == "98":
-        ihcl = str(body.index(b"\x05"))
+    if ihcl == "98":  # the JSON header ends where the binary data starts
+        ihcl = str(body.index(b"}]}") + 3)
     with pytest.raises(InvalidArgument) as exc:
         decode(body, specs("BYTES" if b"BYTES" in body else "FP32"), ihcl=ihcl)
     for w in words:
@@ -161,3 +163,10 @@ def test_triton_timeout_parameter_is_microseconds():
     body = orjson.dumps({"inputs": [{"name": "T", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}],
                          "parameters": {"timeout": 250000}})  # fmt: skip
     assert decode(body, specs("FP32")).timeout_s == pytest.approx(0.25)
+
+
+def test_bytes_shape_that_lies_is_refused_before_allocating():
+    header = orjson.dumps({"inputs": [{"name": "T", "shape": [1, 10**11], "datatype": "BYTES",
+                                       "parameters": {"binary_data_size": 8}}]})  # fmt: skip
+    with pytest.raises(InvalidArgument, match="too short"):
+        decode(header + b"\x00" * 8, specs("BYTES", (-1,)), ihcl=str(len(header)))

@@ -33,8 +33,12 @@ def bytes_elements(buf: memoryview, count: int) -> np.ndarray:
 
     Raises ``ValueError`` describing the first inconsistency.
     """
+    end = len(buf)
+    if count * 4 > end:
+        # Checked before allocating: a lying shape must not cost memory.
+        raise ValueError(f"is {end} bytes, too short for {count} elements (4-byte length each)")
     out = np.empty(count, dtype=object)
-    pos, end = 0, len(buf)
+    pos = 0
     for i in range(count):
         if pos + 4 > end:
             raise ValueError(f"ends inside the length prefix of element {i} of {count}")
