@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aserve.config import ModelConfig
+from aserve.engines import batching
 
 
 class Engine(abc.ABC):
@@ -33,6 +35,14 @@ class Engine(abc.ABC):
     def create_instance(self, index: int) -> Any:
         """Per-thread state for instance ``index``; called on that thread."""
         return None
+
+    def stack_inputs(self, parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """One batch from the requests' inputs (on the executor thread)."""
+        return batching.stack_inputs(parts, self.config.inputs)
+
+    def check_outputs(self, outputs: dict[str, np.ndarray], batch_size: int) -> None:
+        """Raise ``ValueError`` naming the output when ``run`` broke the model's contract."""
+        batching.check_outputs(outputs, self.config.outputs, batch_size, self.config.name)
 
     @abc.abstractmethod
     def run(self, inputs: dict[str, np.ndarray], instance: Any) -> dict[str, np.ndarray]:

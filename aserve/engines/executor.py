@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from aserve.engines.base import Engine
-from aserve.engines.batching import check_outputs, stack_inputs
 from aserve.loop.handoff import post_threadsafe
 
 log = logging.getLogger("aserve.executor")
@@ -109,8 +108,7 @@ class ExecutorPool:
             return
         post_threadsafe(loop, _settle, ready, None)
 
-        config = self.engine.config
-        specs_in, specs_out, model = config.inputs, config.outputs, config.name
+        stack, check = self.engine.stack_inputs, self.engine.check_outputs
         perf = time.perf_counter_ns
         while True:
             job = self._jobs.get()
@@ -118,11 +116,11 @@ class ExecutorPool:
                 return
             t0 = perf()
             try:
-                inputs = stack_inputs(job.parts, specs_in)
+                inputs = stack(job.parts)
                 t1 = perf()
                 outputs = self.engine.run(inputs, instance)
                 t2 = perf()
-                check_outputs(outputs, specs_out, job.size, model)
+                check(outputs, job.size)
                 job.outputs = outputs
                 job.input_ns, job.infer_ns = t1 - t0, t2 - t1
             except Exception as exc:

@@ -302,6 +302,25 @@ class Batcher:
         self._timer = None
         self._pump()
 
+    # --- settings -------------------------------------------------------------
+
+    def reconfigure(self, batching: BatchingConfig) -> None:
+        """Take new batching settings in place (a config reload that needs no reload).
+
+        ``max_batch_size`` cannot change here: the latency table and the
+        engine's staging buffers are sized by it. Queued requests stay; a
+        smaller ``max_queue_size`` only refuses new ones until the queue drains.
+        """
+        if batching.max_batch_size != self.limits.max_batch_size:
+            raise ValueError("max_batch_size changes need a new runtime")
+        self.limits = BatchLimits.build(
+            batching.max_batch_size, batching.max_delay_ms, batching.preferred_batch_sizes
+        )
+        self.max_queue_size = batching.max_queue_size
+        if self._queued_requests and not self._pump_soon:
+            self._pump_soon = True
+            self._loop.call_soon(self._pump)
+
     # --- shutdown -------------------------------------------------------------
 
     def close(self) -> None:
