@@ -27,6 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=int, default=None, help="override http.port from the config")
     p.add_argument("--host", default=None, help="override http.host from the config")
+    p.add_argument(
+        "--watch-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often to check --config for changes (default 1; 0: only on SIGHUP)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--version", action="version", version=f"aserve {__version__}")
     return p
@@ -40,20 +47,26 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     # Imported late so that --help and config errors answer without loading torch.
-    from aserve.config import ConfigError, check_model_files, load_config
+    from aserve.config import ConfigError, check_model_files, read_config
 
     path = args.config or DEFAULT_CONFIG
     try:
-        config, base_dir = load_config(path)
+        config, base_dir, raw = read_config(path)
         check_model_files(config, base_dir)
     except ConfigError as exc:
         print(f"aserve: error: {exc}", file=sys.stderr)
         return 2
+    file_config = config
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if overrides:
         config = config.model_copy(update={"http": config.http.model_copy(update=overrides)})
 
+    from aserve.loop.reload import ConfigSource
     from aserve.loop.runtime import Server, StartupError
+
+    # Only a config the user named is watched; SIGHUP re-reads either.
+    watch_s = args.watch_interval if args.config is not None else 0.0
+    source = ConfigSource(Path(path), raw, file_config, watch_s)
 
     try:
         import uvloop
@@ -63,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = uvloop.run
     log.info("aserve %s starting with %s", __version__, path)
     try:
-        runner(Server(config, base_dir).run())
+        runner(Server(config, base_dir, source).run())
     except StartupError as exc:
         print(f"aserve: error: {exc}", file=sys.stderr)
         return 1

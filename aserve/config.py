@@ -24,6 +24,7 @@ assert set(Datatype.__args__) == set(DATATYPES)  # type: ignore[attr-defined]
 
 _NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"
 _DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
+_HANDLER = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class _Frozen(BaseModel):
@@ -95,13 +96,40 @@ class BatchingConfig(_Frozen):
         return self
 
 
+class PipelineStep(_Frozen):
+    """One step of a pipeline: a model, and how its tensors map to the pipeline's.
+
+    ``inputs`` maps the step model's input names to pipeline tensor names
+    (an input not listed takes the tensor of its own name); ``outputs`` maps
+    the step model's output names to the names they are published under
+    (when empty, every output is published under its own name).
+    """
+
+    model: Annotated[str, Field(pattern=_NAME)]
+    version: Annotated[str | None, Field(pattern=r"^[0-9]+$")] = None  # None: the highest
+    inputs: dict[str, str] = {}
+    outputs: dict[str, str] = {}
+
+
+# Engines whose models are not a weights file.
+_NO_PATH_ENGINES = ("python", "pipeline")
+
+
 class ModelConfig(_Frozen):
-    """One served model version."""
+    """One served model version.
+
+    ``engine`` decides what else is needed: a ``path`` (torch), a ``handler``
+    class (python, where ``path`` and ``parameters`` are optional and handed
+    to the handler), or ``steps`` (pipeline).
+    """
 
     name: Annotated[str, Field(pattern=_NAME)]
     version: Annotated[str, Field(pattern=r"^[0-9]+$")] = "1"
-    engine: Literal["torch"]
-    path: Annotated[str, Field(min_length=1)]
+    engine: Literal["torch", "python", "pipeline"]
+    path: Annotated[str | None, Field(min_length=1)] = None
+    handler: Annotated[str | None, Field(pattern=_HANDLER)] = None  # "package.module:Class"
+    parameters: dict[str, Any] = {}  # python handlers only: given to load(context)
+    steps: list[PipelineStep] = []  # pipelines only
     device: str = "cpu"
     instances: Annotated[int, Field(ge=1, le=64)] = 1
     cpu_threads: Annotated[int, Field(ge=1, le=256)] = 1
@@ -123,6 +151,29 @@ class ModelConfig(_Frozen):
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"{kind}: duplicate tensor name(s) {', '.join(dupes)}")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_fields(self) -> ModelConfig:
+        engine = self.engine
+        if engine not in _NO_PATH_ENGINES and self.path is None:
+            raise ValueError(f"path: required with engine '{engine}'")
+        if (engine == "python") != (self.handler is not None):
+            raise ValueError(
+                "handler: required with engine 'python'"
+                if engine == "python"
+                else f"handler: only for engine 'python' (this model's engine is '{engine}')"
+            )
+        if self.parameters and engine != "python":
+            raise ValueError(f"parameters: only for engine 'python' (this one is '{engine}')")
+        if (engine == "pipeline") != bool(self.steps):
+            raise ValueError(
+                "steps: a pipeline needs at least one step"
+                if engine == "pipeline"
+                else f"steps: only for engine 'pipeline' (this model's engine is '{engine}')"
+            )
+        if engine == "pipeline" and self.path is not None:
+            raise ValueError("path: a pipeline has no file; its steps name models")
         return self
 
     @property
@@ -155,6 +206,12 @@ class ConfigError(Exception):
 
 def load_config(path: str | Path) -> tuple[ServerConfig, Path]:
     """Read and validate a config file; returns it and the folder paths resolve against."""
+    config, base_dir, _ = read_config(path)
+    return config, base_dir
+
+
+def read_config(path: str | Path) -> tuple[ServerConfig, Path, bytes]:
+    """:func:`load_config`, plus the file's bytes (a reload compares them)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -164,16 +221,19 @@ def load_config(path: str | Path) -> tuple[ServerConfig, Path]:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-    return parse_config(data, source=str(path)), path.resolve().parent
+    return parse_config(data, source=str(path)), path.resolve().parent, raw
 
 
 def check_model_files(config: ServerConfig, base_dir: Path) -> None:
-    """Every model's ``path`` must exist (relative paths resolve against ``base_dir``)."""
+    """Every model's ``path`` must exist (relative paths resolve against ``base_dir``),
+    and every python handler must import. Blocking (imports user code): call off the loop."""
     from aserve import builtin_models
 
     problems = []
     for i, m in enumerate(config.models):
-        if m.path.startswith(builtin_models.PREFIX):
+        if m.path is None:
+            pass
+        elif m.path.startswith(builtin_models.PREFIX):
             name = m.path[len(builtin_models.PREFIX) :]
             if name not in builtin_models.BUILDERS:
                 known = ", ".join(sorted(builtin_models.BUILDERS))
@@ -182,6 +242,13 @@ def check_model_files(config: ServerConfig, base_dir: Path) -> None:
                 )
         elif not (base_dir / m.path).is_file():
             problems.append(f"models[{i}].path: file not found: {base_dir / m.path}")
+        if m.handler is not None:
+            from aserve.engines.python_handler import HandlerImportError, import_handler
+
+            try:
+                import_handler(m.handler, base_dir)
+            except HandlerImportError as exc:
+                problems.append(f"models[{i}].handler: {exc}")
     if problems:
         raise ConfigError("invalid config\n  " + "\n  ".join(problems))
 
@@ -191,10 +258,16 @@ def parse_config(data: Any, source: str = "config") -> ServerConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object")
     try:
-        return ServerConfig.model_validate(data)
+        config = ServerConfig.model_validate(data)
     except ValidationError as exc:
         lines = [f"{_json_path(e['loc'])}: {_message(e)}" for e in exc.errors()]
         raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines)) from None
+    from aserve.pipeline_config import check_pipelines  # needs the classes above
+
+    lines = check_pipelines(config)
+    if lines:
+        raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines))
+    return config
 
 
 def _json_path(loc: tuple[Any, ...]) -> str:
@@ -219,6 +292,8 @@ def _message(err: Any) -> str:
         return "unknown key"
     if kind == "missing":
         return "required key is missing"
+    if kind == "string_pattern_mismatch" and err["loc"][-1] == "handler":
+        return f"{err['input']!r} is not 'package.module:ClassName'"
     if kind == "string_pattern_mismatch":
         return f"{err['input']!r} is not a valid name (letters, digits, '_', '.', '-')"
     msg: str = err["msg"]

@@ -81,11 +81,15 @@ def write_config(folder: Path, config: dict[str, Any], name: str = "config.json"
     return path
 
 
-def start_server(config_path: Path, extra_env: dict[str, str] | None = None) -> ServerProcess:
+def start_server(
+    config_path: Path,
+    extra_env: dict[str, str] | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> ServerProcess:
     """Start ``python -m aserve --config`` on a free port; wait until it is ready."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aserve", "--config", str(config_path), "--port", "0"],
+        [sys.executable, "-m", "aserve", "--config", str(config_path), "--port", "0", *extra_args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

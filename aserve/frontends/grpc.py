@@ -157,10 +157,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Any
     ) -> pb.RepositoryIndexResponse:
+        # Every model of the config, loaded or not, as over HTTP.
         response = pb.RepositoryIndexResponse()
-        for rt in self._every_runtime():
-            if not request.ready or rt.ready:
-                response.models.add(name=rt.name, version=rt.version, state=rt.state.value)
+        for entry in self._server.reloader.index(ready_only=request.ready):
+            response.models.add(**entry)
         return response
 
     # --- inference ------------------------------------------------------------

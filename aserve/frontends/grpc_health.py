@@ -37,17 +37,25 @@ class Health:
 
     def __init__(self) -> None:
         self.servicer = health.aio.HealthServicer()
+        self._reported: set[str] = set()  # model names and name/version reported so far
 
     async def update(self, server_ready: bool, registry: ModelRegistry) -> None:
         """Report the server's and every model version's readiness."""
         overall = SERVING if server_ready else NOT_SERVING
         await self.servicer.set(health.OVERALL_HEALTH, overall)
         await self.servicer.set(INFERENCE_SERVICE, overall)
+        reported = set()
         for rt in registry:
-            await self.servicer.set(f"{rt.name}/{rt.version}", _status(server_ready, rt))
+            key = f"{rt.name}/{rt.version}"
+            reported.add(key)
+            await self.servicer.set(key, _status(server_ready, rt))
         for name in {rt.name for rt in registry}:
             # Without a version, the one a request without a version is routed to.
+            reported.add(name)
             await self.servicer.set(name, _status(server_ready, registry.get(name)))
+        for gone in self._reported - reported:  # removed by a reload or unloaded
+            await self.servicer.set(gone, NOT_SERVING)
+        self._reported = reported
 
     async def draining(self) -> None:
         """Every status turns NOT_SERVING for good; watchers are told at once."""

@@ -50,6 +50,9 @@ def _json(doc: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(doc), content_type=_JSON)
 
 
+json_response = _json  # for the route modules beside this one
+
+
 class HttpFrontend:
     def __init__(self, server: Server) -> None:
         self._server = server
@@ -107,6 +110,9 @@ class HttpFrontend:
             route("GET", base + "/ready", self._model_ready)
             route("GET", base + "/stats", self._stats)
             route("POST", base + "/infer", self._infer)
+        from aserve.frontends.http_admin import add_admin_routes  # it imports this module
+
+        add_admin_routes(route, self._server)
         r.add_route("*", "/{tail:.*}", self._not_found)
 
     async def _method_not_allowed(self, request: web.Request) -> web.Response:
@@ -135,7 +141,12 @@ class HttpFrontend:
             {
                 "name": "aserve",
                 "version": __version__,
-                "extensions": ["binary_tensor_data", "parameters", "statistics"],
+                "extensions": [
+                    "binary_tensor_data",
+                    "parameters",
+                    "statistics",
+                    "model_repository",
+                ],
             }
         )
 
@@ -178,7 +189,6 @@ class HttpFrontend:
             self.inflight -= 1
 
     async def _infer_checked(self, request: web.Request) -> web.Response:
-        runtime = self._runtime(request)
         length = request.content_length
         if length is not None and length > self._max_body:
             raise TooLarge(
@@ -190,6 +200,10 @@ class HttpFrontend:
             raise TooLarge(
                 f"request body is over the limit max_request_bytes {self._max_body}"
             ) from None
+        # Routing is looked up only now, with no await from here to the submit:
+        # a runtime a reload takes out of routing is drained once its queue is
+        # empty, so a request must not hold one across an await before queueing.
+        runtime = self._runtime(request)
         headers = request.headers
         decoded = decode_request(
             body,

@@ -4,6 +4,9 @@ Startup loads and warms every model before readiness turns true. SIGINT or
 SIGTERM starts a graceful stop: readiness turns false, the listeners close,
 in-flight requests finish (bounded by ``drain_timeout_s``), then the models
 unload in reverse order of loading. A second signal skips the wait.
+
+While ready, the config file is watched and SIGHUP re-reads it; changes are
+applied by :class:`aserve.loop.reload.Reloader` without a restart.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from pathlib import Path
 from aserve.config import ServerConfig
 from aserve.frontends.grpc import GrpcFrontend
 from aserve.frontends.http import HttpFrontend
-from aserve.loop.model import ModelRuntime
 from aserve.loop.registry import ModelRegistry
+from aserve.loop.reload import ConfigSource, Reloader
+from aserve.loop.runtimes import create_runtime
 
 log = logging.getLogger("aserve.server")
 
@@ -35,15 +39,17 @@ class StartupError(Exception):
 
 
 class Server:
-    def __init__(self, config: ServerConfig, base_dir: Path) -> None:
+    def __init__(
+        self, config: ServerConfig, base_dir: Path, source: ConfigSource | None = None
+    ) -> None:
         self.config = config
         self.base_dir = base_dir
         self.state = ServerState.STARTING
         self.registry = ModelRegistry()
+        self.reloader = Reloader(self, source)
         self.http = HttpFrontend(self)
         self.grpc = GrpcFrontend(self) if config.grpc is not None else None
         self._stop_requested: asyncio.Event | None = None
-        self._loaded: list[ModelRuntime] = []
 
     def not_ready_reason(self) -> str | None:
         """Why the server is not ready, or None when it is."""
@@ -54,18 +60,17 @@ class Server:
 
     async def start(self) -> None:
         """Load and warm every model, then open the listeners."""
-        runtimes = [ModelRuntime(m, self.base_dir) for m in self.config.models]
+        runtimes = [create_runtime(m, self.base_dir, self.registry) for m in self.config.models]
         results = await asyncio.gather(*(rt.load() for rt in runtimes), return_exceptions=True)
-        failed = []
-        for rt, result in zip(runtimes, results, strict=True):
-            if isinstance(result, BaseException):
-                failed.append(f"model '{rt.label}' failed to load: {result}")
-            else:
-                self._loaded.append(rt)
-                self.registry.add(rt)
+        failed = [
+            f"model '{rt.label}' failed to load: {result}"
+            for rt, result in zip(runtimes, results, strict=True)
+            if isinstance(result, BaseException)
+        ]
         if failed:
-            await self._unload_all()
+            await asyncio.gather(*(rt.unload() for rt in runtimes), return_exceptions=True)
             raise StartupError("\n".join(failed))
+        self.registry.swap(add=runtimes)
         try:
             await self.http.start()
             if self.grpc is not None:
@@ -77,7 +82,8 @@ class Server:
         self.state = ServerState.READY
         if self.grpc is not None:
             await self.grpc.update_health()
-        log.info("ready: %d model(s) serving", len(self._loaded))
+        self.reloader.start()
+        log.info("ready: %d model(s) serving", len(self.registry))
 
     async def run(self) -> None:
         """Start, serve until SIGINT/SIGTERM, then drain and stop."""
@@ -85,12 +91,13 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self.reloader.on_sighup)
         try:
             await self.start()
             await self._stop_requested.wait()
         finally:
             await self.stop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self, sig: signal.Signals) -> None:
@@ -106,6 +113,7 @@ class Server:
             return
         was_serving = self.state is ServerState.READY
         self.state = ServerState.DRAINING
+        await self.reloader.stop_watching()
         if was_serving:
             # Each frontend closes its listeners, then waits for its in-flight
             # calls (their requests are still being batched: models stay
@@ -114,11 +122,11 @@ class Server:
             if self.grpc is not None:
                 stopping.append(self.grpc.stop())
             await asyncio.gather(*stopping)
+        await self.reloader.finish_retiring()
         await self._unload_all()
         self.state = ServerState.STOPPED
         log.info("stopped")
 
     async def _unload_all(self) -> None:
-        for rt in reversed(self._loaded):
+        for rt in reversed(self.registry.swap(remove=list(self.registry))):
             await rt.unload()
-        self._loaded.clear()

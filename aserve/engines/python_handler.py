@@ -1,0 +1,182 @@
+"""The python engine: a user's handler class serves the model.
+
+A config names the class as ``"handler": "package.module:ClassName"``,
+importable from the config file's folder. The class has::
+
+    load(self, context)                 once, off the loop, before serving
+    preprocess(self, request) -> dict   per request, off the loop: named arrays
+    infer(self, batch) -> dict          per batch, on an executor thread
+    postprocess(self, outputs, request) per request, off the loop: the response
+    unload(self)                        optional, once, off the loop
+
+``preprocess`` and ``postprocess`` run in the model's handler threads (see
+``aserve/loop/handler_model.py``); the arrays ``preprocess`` returns are
+batched with other requests' (stacked along the first dimension) and handed
+to ``infer`` on an executor thread. Methods may run concurrently on several
+threads, so a handler must not keep per-request state on ``self``.
+
+Everything in this module runs off the loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from aserve.config import ModelConfig, TensorSpec
+from aserve.engines.base import Engine
+
+REQUIRED_METHODS = ("load", "preprocess", "infer", "postprocess")
+
+# sys.path is process-wide: one import at a time may extend it.
+_import_lock = threading.Lock()
+_imported_mtime: dict[str, int] = {}
+
+
+class HandlerImportError(Exception):
+    """The handler cannot be imported or is not a handler class; says why."""
+
+
+@dataclass(frozen=True)
+class HandlerContext:
+    """What ``load(context)`` learns about its model."""
+
+    model_name: str
+    model_version: str
+    device: str
+    instances: int
+    base_dir: Path  # the config file's folder
+    path: Path | None  # the config's ``path``, resolved; None when not given
+    parameters: dict[str, Any]
+    inputs: list[TensorSpec]  # the model's V2 inputs, as configured
+    outputs: list[TensorSpec]
+
+
+@dataclass
+class HandlerRequest:
+    """One request as ``preprocess`` and ``postprocess`` see it.
+
+    ``inputs`` are the V2 input tensors by name, each with the batch
+    dimension first (BYTES tensors are object arrays of ``bytes``);
+    ``batch_size`` is that dimension. ``state`` is free for the handler to
+    carry something from ``preprocess`` to ``postprocess`` of this request.
+    """
+
+    inputs: dict[str, np.ndarray]
+    batch_size: int
+    parameters: dict[str, Any]
+    id: str | None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def import_handler(spec: str, base_dir: Path) -> type:
+    """Import ``package.module:ClassName`` with ``base_dir`` on ``sys.path`` for the import.
+
+    A module imported before is imported again when its file changed since,
+    so a reload picks up edited handler code. Raises :class:`HandlerImportError`.
+    """
+    module_name, _, class_name = spec.partition(":")
+    folder = str(base_dir)
+    with _import_lock:
+        added = folder not in sys.path
+        if added:
+            sys.path.insert(0, folder)
+        try:
+            importlib.invalidate_caches()
+            module = sys.modules.get(module_name)
+            if module is None:
+                module = importlib.import_module(module_name)
+            elif _changed(module_name, module):
+                module = importlib.reload(module)
+            _imported_mtime[module_name] = _mtime(module)
+        except Exception as exc:  # ImportError, SyntaxError, whatever the module raised
+            raise HandlerImportError(
+                f"cannot import module '{module_name}' (looked in {folder} and sys.path): "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+        finally:
+            if added:
+                sys.path.remove(folder)
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise HandlerImportError(f"module '{module_name}' has no class '{class_name}'")
+    missing = [m for m in REQUIRED_METHODS if not callable(getattr(cls, m, None))]
+    if missing:
+        raise HandlerImportError(
+            f"class '{spec}' lacks method(s) {', '.join(missing)}; a handler needs "
+            f"{', '.join(REQUIRED_METHODS)}"
+        )
+    return cls
+
+
+def _mtime(module: ModuleType) -> int:
+    path = getattr(module, "__file__", None)
+    try:
+        return os.stat(path).st_mtime_ns if path else 0
+    except OSError:
+        return 0
+
+
+def _changed(name: str, module: ModuleType) -> bool:
+    return _imported_mtime.get(name) != _mtime(module)
+
+
+class PythonHandlerEngine(Engine):
+    """Runs a handler's ``infer`` on the executor threads.
+
+    Unlike the torch engine, the arrays it batches are whatever ``preprocess``
+    returned, not the model's configured inputs: stacking and checking go by
+    the arrays' own names.
+    """
+
+    def __init__(self, config: ModelConfig, model_path: Path | None, base_dir: Path) -> None:
+        super().__init__(config, model_path)  # type: ignore[arg-type]
+        self.base_dir = base_dir
+        self.handler: Any = None
+
+    def load(self) -> None:
+        assert self.config.handler is not None
+        cls = import_handler(self.config.handler, self.base_dir)
+        c = self.config
+        context = HandlerContext(
+            c.name, c.version, c.device, c.instances, self.base_dir,
+            self.model_path, dict(c.parameters), list(c.inputs), list(c.outputs),
+        )  # fmt: skip
+        handler = cls()
+        handler.load(context)
+        self.handler = handler
+
+    def stack_inputs(self, parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        if len(parts) == 1:
+            return parts[0]
+        # Requests share a batch only with equal names, dtypes and shapes (their shape key).
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+    def run(self, inputs: dict[str, np.ndarray], instance: Any) -> dict[str, np.ndarray]:
+        outputs = self.handler.infer(inputs)
+        if not isinstance(outputs, dict):
+            raise TypeError(f"infer returned {type(outputs).__name__}, not a dict of arrays")
+        return {k: np.asarray(v) for k, v in outputs.items()}
+
+    def check_outputs(self, outputs: dict[str, np.ndarray], batch_size: int) -> None:
+        for name, arr in outputs.items():
+            if arr.ndim == 0 or arr.shape[0] != batch_size:
+                raise ValueError(
+                    f"infer output '{name}' has shape {list(arr.shape)}; its first dimension "
+                    f"must be the batch size {batch_size}"
+                )
+
+    def unload(self) -> None:
+        handler, self.handler = self.handler, None
+        hook = getattr(handler, "unload", None)
+        if callable(hook):
+            hook()

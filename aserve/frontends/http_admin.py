@@ -1,0 +1,93 @@
+"""HTTP routes that change or report what is served (on the loop).
+
+- ``GET /v2/config/status``: the config in force (its hash), the last reload
+  and its result, the last error, settings waiting for a restart, reload
+  counters, and every model's state.
+- Triton's model repository extension: ``POST /v2/repository/index``,
+  ``POST /v2/repository/models/{m}/load`` and ``.../unload``. Models are those
+  of the config file; load (re)loads a model as the file describes it, unload
+  takes it out of routing until it is loaded again.
+
+The work is done by :class:`aserve.loop.reload.Reloader`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from aserve.errors import AserveError, InvalidArgument
+from aserve.frontends.http import error_response, json_response
+
+if TYPE_CHECKING:
+    from aserve.loop.runtime import Server
+
+Route = Callable[[str, str, Any], None]
+
+
+def add_admin_routes(route: Route, server: Server) -> None:
+    reloader = server.reloader
+
+    async def config_status(request: web.Request) -> web.Response:
+        return json_response(reloader.status.as_dict(reloader.index()))
+
+    async def repository_index(request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            ready = body.get("ready", False)
+            if not isinstance(ready, bool):
+                raise InvalidArgument("field 'ready' must be true or false")
+        except AserveError as exc:
+            return error_response(exc)
+        return json_response(reloader.index(ready_only=ready))
+
+    async def load(request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            params = body.get("parameters") or {}
+            unsupported = sorted(k for k in params if k == "config" or k.startswith("file:"))
+            if unsupported:
+                raise InvalidArgument(
+                    f"load parameter(s) {', '.join(unsupported)} are not supported: aserve "
+                    "loads a model as its config file describes it"
+                )
+            await reloader.load_model(request.match_info["model"])
+        except AserveError as exc:
+            return error_response(exc)
+        return web.Response(status=200)
+
+    async def unload(request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            dependents = (body.get("parameters") or {}).get("unload_dependents", False)
+            if not isinstance(dependents, bool):
+                raise InvalidArgument("parameter 'unload_dependents' must be true or false")
+            await reloader.unload_model(request.match_info["model"], dependents)
+        except AserveError as exc:
+            return error_response(exc)
+        return web.Response(status=200)
+
+    route("GET", "/v2/config/status", config_status)
+    route("POST", "/v2/repository/index", repository_index)
+    route("POST", "/v2/repository/models/{model}/load", load)
+    route("POST", "/v2/repository/models/{model}/unload", unload)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object; an empty body is ``{}``."""
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("request body must be a JSON object")
+    params = doc.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise InvalidArgument("field 'parameters' must be an object")
+    return doc

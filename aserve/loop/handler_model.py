@@ -1,0 +1,227 @@
+"""A model served by a user's Python handler (``"engine": "python"``).
+
+Runs on the loop. A request goes: ``preprocess`` in one of the model's
+handler threads -> the model's batcher, which stacks it with others ->
+``infer`` on an executor thread -> ``postprocess`` in a handler thread. Only
+the batched middle is shared between requests, so an exception in
+``preprocess`` or ``postprocess`` fails only its own request, and one in
+``infer`` only the requests of that batch; each answers with the
+exception's message. A handler that raises an :class:`aserve.errors.AserveError`
+(``InvalidArgument`` for a bad input, say) answers with that error's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aserve.codecs.datatypes import numpy_dtype
+from aserve.config import ModelConfig, TensorSpec
+from aserve.engines.base import Engine
+from aserve.engines.python_handler import HandlerRequest, PythonHandlerEngine
+from aserve.errors import (
+    AserveError,
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    Unavailable,
+)
+from aserve.loop.model import ModelRuntime, ModelState
+
+
+class HandlerRuntime(ModelRuntime):
+    def __init__(self, config: ModelConfig, base_dir: Path) -> None:
+        super().__init__(config, base_dir)
+        self._engine: PythonHandlerEngine | None = None
+        # Pre- and post-processing are per request and may be slow (decoding an
+        # image): a few threads of the model's own keep them off the loop
+        # without competing with other models' work in the default executor.
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(2, 2 * config.instances), thread_name_prefix=f"aserve-{self.name}-py"
+        )
+        self.inflight = 0  # requests between entering infer() and their answer
+
+    def _create_engine(self, path: Path | None) -> Engine:
+        self._engine = PythonHandlerEngine(self.config, path, self._base_dir)
+        return self._engine
+
+    @property
+    def busy(self) -> bool:
+        return self.inflight > 0 or super().busy
+
+    async def _warm_up(self) -> None:
+        """Run the handler's ``warmup_request()`` through every stage, if it has one.
+
+        Without it there is nothing meaningful to feed a user's code, so the
+        model starts cold and the batcher learns its latencies from traffic.
+        """
+        assert self._engine is not None and self.batcher is not None
+        example = getattr(self._engine.handler, "warmup_request", None)
+        if not callable(example):
+            return
+        inputs = await self._in_threads(example, "warmup_request")
+        batch = _batch_size(inputs, "warmup_request", self.label)
+        for measure in (False, True):
+            for _ in range(self.config.instances):
+                request = HandlerRequest(inputs, batch, {}, None)
+                arrays = await self._in_threads(
+                    self._engine.handler.preprocess, "preprocess", request
+                )
+                size, _ = self._batch_of(arrays)
+                job = await self._run_direct(arrays, size)
+                if job.error is not None:
+                    raise RuntimeError(f"warm-up: infer failed: {job.error}")
+                if measure:
+                    self.batcher.latency.observe(size, job.tag[2])
+                assert job.outputs is not None
+                response = await self._in_threads(
+                    self._engine.handler.postprocess, "postprocess", job.outputs, request
+                )
+                self._response(response, batch)
+
+    async def infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        batch_size: int,
+        shape_key: tuple[Any, ...],
+        timeout_s: float,
+        client_id: str | None = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """preprocess -> batch -> infer -> postprocess; see the module docstring.
+
+        The deadline covers the whole path; a request whose deadline passes
+        during preprocessing is not queued.
+        """
+        # Counted before the first await: a runtime being drained after a
+        # reload waits for this request too.
+        self.inflight += 1
+        try:
+            if self.state is not ModelState.READY or self._engine is None:
+                raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+            deadline = time.monotonic() + timeout_s
+            handler = self._engine.handler
+            request = HandlerRequest(inputs, batch_size, dict(parameters or {}), client_id)
+            arrays = await self._in_threads(handler.preprocess, "preprocess", request)
+            size, key = self._batch_of(arrays)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(
+                    f"request deadline passed during preprocessing on '{self.label}'"
+                )
+            outputs = await super().infer(arrays, size, key, left, client_id, parameters)
+            response = await self._in_threads(handler.postprocess, "postprocess", outputs, request)
+            return self._response(response, batch_size)
+        finally:
+            self.inflight -= 1
+
+    async def _in_threads(self, fn: Callable[..., Any], stage: str, *args: Any) -> Any:
+        """Run user code in the handler threads; its exception becomes this request's error."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._threads, fn, *args)
+        except AserveError:
+            raise
+        except Exception as exc:  # the user's code failed: only this request fails
+            raise InternalError(
+                f"model '{self.label}' {stage} failed: {type(exc).__name__}: {exc}"
+            ) from None
+
+    def _batch_of(self, arrays: Any) -> tuple[int, tuple[Any, ...]]:
+        """Validate what preprocess returned; its batch size and shape key."""
+        if not isinstance(arrays, dict) or not arrays:
+            raise InternalError(
+                f"model '{self.label}' preprocess must return a non-empty dict of arrays, "
+                f"not {type(arrays).__name__}"
+            )
+        for name, value in list(arrays.items()):
+            if not isinstance(value, np.ndarray):
+                arrays[name] = np.asarray(value)
+        size = _batch_size(arrays, "preprocess", self.label)
+        if size > self.max_batch_size:
+            raise InvalidArgument(
+                f"model '{self.label}': preprocess made {size} items, over max_batch_size "
+                f"{self.max_batch_size}"
+            )
+        # Only requests with equal names, dtypes and item shapes can be stacked.
+        key = tuple((n, a.dtype.str, a.shape[1:]) for n, a in sorted(arrays.items()))
+        return size, key
+
+    def _response(self, response: Any, batch_size: int) -> dict[str, np.ndarray]:
+        """What postprocess returned, as the model's declared outputs."""
+        if not isinstance(response, dict):
+            raise InternalError(
+                f"model '{self.label}' postprocess must return a dict of outputs, "
+                f"not {type(response).__name__}"
+            )
+        out = {}
+        for spec in self.config.outputs:
+            if spec.name not in response:
+                raise InternalError(
+                    f"model '{self.label}' postprocess returned no output '{spec.name}'"
+                )
+            out[spec.name] = _as_output(self.label, spec, response[spec.name], batch_size)
+        return out
+
+    async def unload(self) -> None:
+        await super().unload()
+        await asyncio.to_thread(self._threads.shutdown)
+
+
+def _batch_size(arrays: Any, stage: str, label: str = "") -> int:
+    if not isinstance(arrays, dict) or not arrays:
+        raise InternalError(f"{stage} of model '{label}' must return a non-empty dict of arrays")
+    sizes = {name: (np.shape(a)[0] if np.ndim(a) else None) for name, a in arrays.items()}
+    distinct = set(sizes.values())
+    if None in distinct or len(distinct) != 1:
+        shown = ", ".join(f"{n}: {s}" for n, s in sizes.items())
+        raise InternalError(
+            f"model '{label}' {stage}: every array needs the same first (batch) "
+            f"dimension (got {shown})"
+        )
+    size = distinct.pop()
+    assert size is not None
+    if size < 1:
+        raise InternalError(f"model '{label}' {stage}: the batch dimension is empty")
+    return size
+
+
+def _as_output(label: str, spec: TensorSpec, value: Any, batch_size: int) -> np.ndarray:
+    if spec.datatype == "BYTES":
+        given = np.asarray(value, dtype=object)
+        items = []
+        for x in given.reshape(-1):
+            if isinstance(x, str):
+                x = x.encode()
+            elif not isinstance(x, bytes):
+                raise InternalError(
+                    f"model '{label}' output '{spec.name}' (BYTES) holds a "
+                    f"{type(x).__name__}; use bytes or str"
+                )
+            items.append(x)
+        arr = np.empty(len(items), dtype=object)
+        arr[:] = items
+        arr = arr.reshape(given.shape)
+    else:
+        try:
+            arr = np.asarray(value, dtype=numpy_dtype(spec.datatype))
+        except (TypeError, ValueError) as exc:
+            raise InternalError(
+                f"model '{label}' output '{spec.name}' is not {spec.datatype}: {exc}"
+            ) from None
+    if (
+        arr.ndim != len(spec.shape) + 1
+        or arr.shape[0] != batch_size
+        or any(d != -1 and d != got for d, got in zip(spec.shape, arr.shape[1:], strict=True))
+    ):
+        raise InternalError(
+            f"model '{label}' output '{spec.name}' has shape {list(arr.shape)}, expected "
+            f"[{batch_size}, {', '.join(map(str, spec.shape))}]"
+        )
+    return arr

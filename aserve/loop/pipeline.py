@@ -1,0 +1,156 @@
+"""A pipeline model (``"engine": "pipeline"``): requests flow through other models.
+
+Runs on the loop. Each step looks its model up in the registry when the
+request reaches it, so a reload that swaps a step's model is followed at
+once, and submits to that model's own batcher: a step is batched with every
+other request for that model, pipelined or not. Tensors pass from step to
+step as the arrays the previous model produced, never re-encoded.
+
+The pipeline has no engine and no queue of its own; its statistics count
+whole requests through all steps. Its deadline covers all of them: each step
+gets what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import orjson
+
+from aserve.codecs.datatypes import numpy_dtype
+from aserve.codecs.validate import check_batch
+from aserve.config import ModelConfig, PipelineStep
+from aserve.engines.batching import check_outputs
+from aserve.errors import (
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from aserve.loop.model import ModelRuntime, ModelState
+
+if TYPE_CHECKING:
+    from aserve.loop.registry import ModelRegistry
+
+log = logging.getLogger("aserve.pipeline")
+
+
+class PipelineRuntime(ModelRuntime):
+    def __init__(self, config: ModelConfig, base_dir: Path, registry: ModelRegistry) -> None:
+        super().__init__(config, base_dir)
+        self._registry = registry
+        self.inflight = 0
+
+    async def load(self) -> None:
+        # Nothing to load: the steps' models are separate runtimes, looked up per request.
+        self.state = ModelState.READY
+        log.info(
+            "pipeline %s ready: %s", self.label, " -> ".join(s.model for s in self.config.steps)
+        )
+
+    @property
+    def busy(self) -> bool:
+        return self.inflight > 0
+
+    def reconfigure(self, config: ModelConfig) -> None:
+        self.config = config
+        self.default_timeout_s = config.batching.timeout_ms / 1000.0
+
+    def statistics(self) -> dict[str, Any]:
+        return self.stats.as_dict(self.inflight, 0)
+
+    def triton_config(self) -> dict[str, Any]:
+        # Triton describes ensembles in ``ensemble_scheduling``, which aserve's
+        # ModelConfig message does not carry: the steps go in ``parameters``.
+        doc = super().triton_config()
+        steps = [s.model_dump(exclude_defaults=True) for s in self.config.steps]
+        doc["parameters"]["steps"] = {"string_value": orjson.dumps(steps).decode()}
+        del doc["dynamic_batching"], doc["instance_group"]
+        return doc
+
+    async def infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        batch_size: int,
+        shape_key: tuple[Any, ...],
+        timeout_s: float,
+        client_id: str | None = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run the steps in order; a failing step fails the request with its error."""
+        if self.state is not ModelState.READY:
+            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+        self.inflight += 1
+        start = time.monotonic()
+        deadline = start + timeout_s
+        try:
+            tensors = dict(inputs)
+            for index, step in enumerate(self.config.steps):
+                outputs = await self._run_step(
+                    index, step, tensors, deadline, client_id, parameters
+                )
+                published = step.outputs or {name: name for name in outputs}
+                for name, tensor in published.items():
+                    tensors[tensor] = outputs[name]
+            result = {s.name: tensors[s.name] for s in self.config.outputs}
+            try:
+                check_outputs(result, self.config.outputs, batch_size, self.label)
+            except ValueError as exc:
+                raise InternalError(str(exc)) from None
+        except Exception:
+            self.stats.fail.add(int((time.monotonic() - start) * 1e9))
+            raise
+        finally:
+            self.inflight -= 1
+        elapsed_ns = int((time.monotonic() - start) * 1e9)
+        self.stats.success.add(elapsed_ns)
+        self.stats.record_batch(batch_size, 1, 0, elapsed_ns, 0)
+        return result
+
+    async def _run_step(
+        self,
+        index: int,
+        step: PipelineStep,
+        tensors: dict[str, np.ndarray],
+        deadline: float,
+        client_id: str | None,
+        parameters: dict[str, Any] | None,
+    ) -> dict[str, np.ndarray]:
+        where = f"pipeline '{self.label}' step {index} ({step.model})"
+        try:
+            runtime = self._registry.get(step.model, step.version)
+        except NotFound:
+            raise Unavailable(f"{where}: the model is not loaded") from None
+        step_inputs = {}
+        for name, spec in runtime.input_specs.items():
+            source = step.inputs.get(name, name)
+            arr = tensors.get(source)
+            if arr is None:  # the config check rules this out; a reloaded step may differ
+                raise InternalError(f"{where}: no tensor '{source}' for input '{name}'")
+            dtype = numpy_dtype(spec.datatype)
+            if arr.dtype != dtype and not (dtype.kind == "O" and arr.dtype.kind == "O"):
+                raise InternalError(
+                    f"{where}: tensor '{source}' is {arr.dtype}, input '{name}' takes "
+                    f"{spec.datatype}"
+                )
+            if arr.ndim != len(spec.shape) + 1 or any(
+                d != -1 and d != got for d, got in zip(spec.shape, arr.shape[1:], strict=True)
+            ):
+                raise InvalidArgument(
+                    f"{where}: tensor '{source}' has shape {list(arr.shape)}, input '{name}' "
+                    f"takes [batch, {', '.join(map(str, spec.shape))}]"
+                )
+            step_inputs[name] = arr
+        size, key = check_batch(
+            step_inputs, runtime.input_specs, runtime.name, runtime.max_batch_size,
+            runtime.variable_shapes,
+        )  # fmt: skip
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"{where}: the request's deadline passed before this step")
+        return await runtime.infer(step_inputs, size, key, left, client_id, parameters)

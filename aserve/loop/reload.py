@@ -1,0 +1,479 @@
+"""Config hot reload and the model repository: change what is served while serving.
+
+Runs on the loop; reading, parsing, importing handlers and loading models run
+off it. One change is applied at a time (a lock), whatever asked for it: the
+file watcher, SIGHUP, or the repository API (load/unload).
+
+A change goes: read the file -> parse and validate into a new immutable
+config (handlers imported, files checked) -> diff against what is served ->
+load and warm every added or changed model beside the running ones -> swap
+the routing table in one assignment -> drain the runtimes that left it and
+unload them in the background. Batching settings other than
+``max_batch_size`` apply in place, without a new runtime. Anything that fails
+before the swap changes nothing: the new runtimes are unloaded, the old
+config stays in force, and the error (with its JSON path) is logged and kept
+in :class:`ReloadStatus` for ``GET /v2/config/status``.
+
+Sections that only a restart can apply (listeners, limits, drain timeout)
+are compared with what the server started with and reported, not applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hashlib
+import logging
+import os
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from aserve.config import ConfigError, ModelConfig, ServerConfig, check_model_files, parse_config
+from aserve.errors import InternalError, NotFound, Unavailable
+from aserve.loop.model import ModelRuntime
+from aserve.loop.runtimes import create_runtime
+
+if TYPE_CHECKING:
+    from aserve.loop.runtime import Server
+
+log = logging.getLogger("aserve.reload")
+
+# Top-level config keys that need a restart: listeners, and limits the listeners were built with.
+RESTART_KEYS = ("http", "grpc", "limits", "drain_timeout_s")
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where the running config came from."""
+
+    path: Path
+    raw: bytes  # the file's bytes the running config was parsed from
+    file_config: ServerConfig  # as the file says, before command-line overrides
+    watch_interval_s: float = 1.0  # 0: not watched (SIGHUP still reloads)
+
+
+class ReloadRejected(Exception):
+    """A change that cannot be applied; the message names the JSON path."""
+
+
+def digest_of(raw: bytes) -> str:
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class Changes:
+    """What one applied change did, by model label (``name/version``)."""
+
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)  # new runtime loaded beside the old
+    reconfigured: list[str] = field(default_factory=list)  # applied in place
+
+    def as_dict(self) -> dict[str, list[str]]:
+        return {
+            "added": self.added,
+            "removed": self.removed,
+            "replaced": self.replaced,
+            "reconfigured": self.reconfigured,
+        }
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.replaced or self.reconfigured)
+
+
+class ReloadStatus:
+    """What ``GET /v2/config/status`` reports; ``counts`` are the reload counters
+    (by result: ``ok``, ``rejected``, ``unchanged``) a metrics exporter reads."""
+
+    def __init__(self, path: Path | None, digest: str | None, watch_interval_s: float) -> None:
+        self.config_file = str(path) if path is not None else None
+        self.config_hash = digest
+        self.applied_at = _now()
+        self.watch_interval_s = watch_interval_s
+        self.last: dict[str, Any] | None = None
+        self.last_error: dict[str, Any] | None = None
+        self.restart_required: list[str] = []
+        self.counts = {"ok": 0, "rejected": 0, "unchanged": 0}
+
+    def record(
+        self,
+        trigger: str,
+        result: str,
+        changes: Changes | None = None,
+        error: str | None = None,
+    ) -> None:
+        self.counts[result] += 1
+        entry: dict[str, Any] = {"time": _now(), "trigger": trigger, "result": result}
+        if changes is not None:
+            entry["changes"] = changes.as_dict()
+        if error is not None:
+            entry["error"] = error
+            self.last_error = {"time": entry["time"], "trigger": trigger, "error": error}
+        self.last = entry
+
+    def as_dict(self, models: list[dict[str, str]]) -> dict[str, Any]:
+        return {
+            "config_file": self.config_file,
+            "config_hash": self.config_hash,
+            "applied_at": self.applied_at,
+            "watch_interval_s": self.watch_interval_s,
+            "last_reload": self.last,
+            "last_error": self.last_error,
+            "restart_required": self.restart_required,
+            "reloads": dict(self.counts),
+            "models": models,
+        }
+
+
+class Reloader:
+    """Owns config changes of one server: the watcher, reloads, the repository API."""
+
+    def __init__(self, server: Server, source: ConfigSource | None) -> None:
+        self._server = server
+        self._source = source
+        self._started_with = source.file_config if source is not None else server.config
+        self._file_config = self._started_with  # the file config now in force
+        digest = digest_of(source.raw) if source is not None else None
+        self._applied_digest = digest
+        self._seen_digest = digest
+        interval = source.watch_interval_s if source is not None else 0.0
+        self.status = ReloadStatus(source.path if source else None, digest, interval)
+        self.unloaded: set[str] = set()  # names unloaded through the repository API
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()  # the watcher, SIGHUP checks
+        self._retiring: set[asyncio.Task[None]] = set()  # drain-then-unload of old runtimes
+
+    # --- lifecycle (called by the server) -------------------------------------
+
+    def start(self) -> None:
+        """Start watching the config file, if there is one and watching is on."""
+        if self._source is not None and self._source.watch_interval_s > 0:
+            self._spawn(self._watch(self._source), "aserve-config-watch")
+
+    def on_sighup(self) -> None:
+        """Signal handler: re-read the config file now, even if it looks unchanged."""
+        if not self._serving():
+            log.warning("SIGHUP received while the server is %s: ignored", self._server.state.value)
+            return
+        log.info("SIGHUP received: checking the config file")
+        self._spawn(self.check("SIGHUP", force=True), "aserve-config-sighup")
+
+    async def stop_watching(self) -> None:
+        """Stop the watcher and any check or reload in progress (its new models unload)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def finish_retiring(self) -> None:
+        """Wait for replaced and removed runtimes to drain and unload."""
+        while self._retiring:
+            await asyncio.gather(*list(self._retiring), return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
+
+    # --- the config file ------------------------------------------------------
+
+    async def _watch(self, source: ConfigSource) -> None:
+        """Poll the file's (mtime, size); on a change, check its content."""
+        last = await asyncio.to_thread(_fingerprint, source.path)
+        await self.check("startup")  # a change between reading the config and now
+        while True:
+            await asyncio.sleep(source.watch_interval_s)
+            now = await asyncio.to_thread(_fingerprint, source.path)
+            if now == last:
+                continue
+            last = now
+            try:
+                await self.check("file change")
+            except Exception:  # a bug; keep watching
+                log.exception("config check failed")
+
+    async def check(self, trigger: str, force: bool = False) -> None:
+        """Reload if the file's content differs from the config in force.
+
+        Without ``force``, content already seen (say, a rejected version whose
+        file was only touched) is not tried again.
+        """
+        if self._source is None:
+            log.warning("%s: the server has no config file to reload", trigger)
+            return
+        path = self._source.path
+        try:
+            raw = await asyncio.to_thread(path.read_bytes)
+        except OSError as exc:
+            message = f"{path}: cannot read config: {exc.strerror}"
+            log.error("config reload (%s) rejected; the running config stays: %s", trigger, message)
+            self.status.record(trigger, "rejected", error=message)
+            self._seen_digest = None
+            return
+        digest = digest_of(raw)
+        if digest == self._seen_digest and not force:
+            return
+        self._seen_digest = digest
+        if digest == self._applied_digest:
+            if force:
+                log.info("%s: the config file is unchanged", trigger)
+            self.status.record(trigger, "unchanged")
+            return
+        await self.reload(raw, trigger)
+
+    async def reload(self, raw: bytes, trigger: str) -> None:
+        """Validate ``raw`` as the new config file and apply it, or keep the old one."""
+        assert self._source is not None
+        digest = digest_of(raw)
+        async with self._lock:
+            try:
+                file_config = await asyncio.to_thread(self._validate, raw)
+                unloaded = self.unloaded & {m.name for m in file_config.models}
+                changes = await self._apply(file_config, unloaded)
+            except (ConfigError, ReloadRejected) as exc:
+                self._reject(trigger, str(exc))
+                return
+            self._file_config = file_config
+            self.unloaded = unloaded
+            self._applied_digest = digest
+            self.status.config_hash = digest
+            self.status.applied_at = _now()
+            self.status.restart_required = self._restart_required(file_config)
+            self.status.record(trigger, "ok", changes)
+        log.info("config reloaded (%s, %s): %s", trigger, digest[:19], _describe(changes))
+        for line in self.status.restart_required:
+            log.warning("config change needs a restart to take effect: %s", line)
+
+    def _validate(self, raw: bytes) -> ServerConfig:
+        """Parse, validate, check files and import handlers. Blocking: runs in a thread."""
+        assert self._source is not None
+        path = self._source.path
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: invalid JSON: {exc}") from None
+        config = parse_config(data, source=str(path))
+        check_model_files(config, self._server.base_dir)
+        return config
+
+    def _reject(self, trigger: str, message: str) -> None:
+        log.error(
+            "config reload (%s) rejected; the running config stays in force:\n  %s",
+            trigger, message.replace("\n", "\n  "),
+        )  # fmt: skip
+        self.status.record(trigger, "rejected", error=message)
+
+    def _restart_required(self, file_config: ServerConfig) -> list[str]:
+        old = self._started_with.model_dump(mode="json", include=set(RESTART_KEYS))
+        new = file_config.model_dump(mode="json", include=set(RESTART_KEYS))
+        return [f"{line} (needs a restart)" for line in _differences(old, new, "")]
+
+    # --- the repository API ---------------------------------------------------
+
+    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """Every model version of the config in force, with its state (Triton's index)."""
+        served = {(rt.name, rt.version): rt for rt in self._server.registry}
+        out = []
+        for m in sorted(self._file_config.models, key=lambda m: (m.name, int(m.version))):
+            rt = served.get(m.key)
+            if rt is not None:
+                state, reason = rt.state.value, ""
+            else:
+                reason = "unloaded" if m.name in self.unloaded else "not loaded"
+                state = "UNAVAILABLE"
+            if ready_only and state != "READY":
+                continue
+            out.append({"name": m.name, "version": m.version, "state": state, "reason": reason})
+        return out
+
+    async def load_model(self, name: str) -> None:
+        """Load (or reload from its files) every version of ``name`` in the config in force."""
+        async with self._lock:
+            self._known(name)
+            unloaded = self.unloaded - {name}
+            trigger = f"repository load '{name}'"
+            try:
+                changes = await self._apply(self._file_config, unloaded, reload_names={name})
+            except ReloadRejected as exc:
+                self._reject(trigger, str(exc))
+                raise InternalError(str(exc)) from None
+            self.unloaded = unloaded
+            self.status.record(trigger, "ok", changes)
+        log.info("%s: %s", trigger, _describe(changes))
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        """Unroute every version of ``name`` (and of the pipelines using it, if asked).
+
+        Returns once routing no longer reaches them; their queued and running
+        requests finish before they unload.
+        """
+        async with self._lock:
+            self._known(name)
+            names = {name}
+            if unload_dependents:
+                names |= _dependents(self._file_config.models, name)
+            unloaded = self.unloaded | names
+            changes = await self._apply(self._file_config, unloaded)  # only removals: cannot fail
+            self.unloaded = unloaded
+            self.status.record(f"repository unload '{name}'", "ok", changes)
+        log.info("repository unload '%s': %s", name, _describe(changes))
+
+    def _serving(self) -> bool:
+        return self._server.state.value == "ready"
+
+    def _known(self, name: str) -> None:
+        if not self._serving():
+            raise Unavailable(f"the server is {self._server.state.value}")
+        if not any(m.name == name for m in self._file_config.models):
+            where = self.status.config_file or "the config"
+            raise NotFound(f"model '{name}' is not in {where}; add it there to serve it")
+
+    # --- applying a change ----------------------------------------------------
+
+    async def _apply(
+        self,
+        file_config: ServerConfig,
+        unloaded: set[str],
+        reload_names: Iterable[str] = (),
+    ) -> Changes:
+        """Serve ``file_config``'s models except ``unloaded``; raise ReloadRejected
+        (having changed nothing) when a new runtime fails to load or warm up.
+
+        Models named in ``reload_names`` get a new runtime even if unchanged.
+        """
+        server = self._server
+        want = {m.key: m for m in file_config.models if m.name not in unloaded}
+        where = {m.key: f"models[{i}]" for i, m in enumerate(file_config.models)}
+        current = {(rt.name, rt.version): rt for rt in server.registry}
+        changes = Changes()
+        fresh: list[tuple[ModelConfig, ModelRuntime]] = []
+        in_place: list[tuple[ModelRuntime, ModelConfig]] = []
+        for key, new in want.items():
+            rt = current.get(key)
+            if rt is None:
+                changes.added.append(rt_label(new))
+            elif new.name in reload_names or (
+                new != rt.config and not ModelRuntime.reconfigurable(rt.config, new)
+            ):
+                changes.replaced.append(rt_label(new))
+            elif new != rt.config:
+                in_place.append((rt, new))
+                changes.reconfigured.append(rt_label(new))
+                continue
+            else:
+                continue
+            fresh.append((new, create_runtime(new, server.base_dir, server.registry)))
+        removed = [rt for key, rt in current.items() if key not in want]
+        changes.removed = [rt.label for rt in removed]
+
+        await self._load_all(fresh, where)
+        # From here to the swap there is no await: requests see the old routing
+        # or the new one, never a mix.
+        for rt, new in in_place:
+            rt.reconfigure(new)
+        left = server.registry.swap(add=[rt for _, rt in fresh], remove=removed)
+        served = [m for m in file_config.models if m.name not in unloaded]
+        server.config = server.config.model_copy(update={"models": served})
+        for rt in left:
+            self._retire(rt)
+        if server.grpc is not None:
+            await server.grpc.update_health()
+        return changes
+
+    async def _load_all(
+        self, fresh: list[tuple[ModelConfig, ModelRuntime]], where: dict[tuple[str, str], str]
+    ) -> None:
+        """Load and warm every new runtime beside the served ones; all or nothing."""
+        runtimes = [rt for _, rt in fresh]
+        try:
+            results = await asyncio.gather(*(rt.load() for rt in runtimes), return_exceptions=True)
+        except asyncio.CancelledError:  # the server is stopping mid-reload
+            await asyncio.gather(*(rt.unload() for rt in runtimes), return_exceptions=True)
+            raise
+        failed = [
+            f"{where[m.key]}: model '{rt.label}' failed to load: {result}"
+            for (m, rt), result in zip(fresh, results, strict=True)
+            if isinstance(result, BaseException)
+        ]
+        if failed:
+            await asyncio.gather(*(rt.unload() for rt in runtimes), return_exceptions=True)
+            raise ReloadRejected("\n".join(failed))
+
+    def _retire(self, runtime: ModelRuntime) -> None:
+        task = asyncio.create_task(self._drain(runtime), name=f"aserve-retire-{runtime.label}")
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _drain(self, runtime: ModelRuntime) -> None:
+        """Let a runtime that routing no longer reaches finish its requests, then unload it."""
+        timeout = self._server.config.drain_timeout_s
+        if not await runtime.wait_idle(timeout):
+            log.warning(
+                "model %s still busy after drain_timeout_s (%.1fs); unloading anyway",
+                runtime.label, timeout,
+            )  # fmt: skip
+        try:
+            await runtime.unload()
+        except Exception:
+            log.exception("unloading model %s failed", runtime.label)
+            return
+        log.info("model %s drained and unloaded", runtime.label)
+
+
+def rt_label(config: ModelConfig) -> str:
+    return f"{config.name}/{config.version}"
+
+
+def _describe(changes: Changes) -> str:
+    if not changes:
+        return "no model changes"
+    return "; ".join(f"{k} {', '.join(v)}" for k, v in changes.as_dict().items() if v)
+
+
+def _fingerprint(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+def _differences(old: Any, new: Any, prefix: str) -> list[str]:
+    """Leaf-by-leaf differences of two JSON-like values, as ``path: old -> new``."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(old.keys() | new.keys()):
+            out.extend(
+                _differences(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else key)
+            )
+        return out
+    if old == new:
+        return []
+    return [f"{prefix}: {orjson.dumps(old).decode()} -> {orjson.dumps(new).decode()}"]
+
+
+def _dependents(models: list[ModelConfig], name: str) -> set[str]:
+    """Pipelines that call ``name``, directly or through other pipelines."""
+    found: set[str] = set()
+    todo = [name]
+    while todo:
+        target = todo.pop()
+        for m in models:
+            if m.engine == "pipeline" and m.name not in found:
+                if any(step.model == target for step in m.steps):
+                    found.add(m.name)
+                    todo.append(m.name)
+    return found

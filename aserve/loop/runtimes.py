@@ -1,0 +1,26 @@
+"""Which runtime class serves a model, by its engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aserve.config import ModelConfig
+from aserve.loop.model import ModelRuntime
+from aserve.loop.registry import ModelRegistry
+
+
+def create_runtime(config: ModelConfig, base_dir: Path, registry: ModelRegistry) -> ModelRuntime:
+    """A runtime for ``config``, not loaded yet (cheap: loads nothing)."""
+    if config.engine == "python":
+        from aserve.loop.handler_model import HandlerRuntime
+
+        return HandlerRuntime(config, base_dir)
+    if config.engine == "pipeline":
+        from aserve.loop.pipeline import PipelineRuntime
+
+        return PipelineRuntime(config, base_dir, registry)
+    if config.engine == "decoder":
+        from aserve.loop.generation import GenerationRuntime
+
+        return GenerationRuntime(config, base_dir)  # type: ignore[return-value]
+    return ModelRuntime(config, base_dir)
