@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from aserve.codecs.datatypes import DATATYPES
 
@@ -24,7 +32,6 @@ assert set(Datatype.__args__) == set(DATATYPES)  # type: ignore[attr-defined]
 
 _NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"
 _DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
-_HANDLER = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class _Frozen(BaseModel):
@@ -96,46 +103,30 @@ class BatchingConfig(_Frozen):
         return self
 
 
-class PipelineStep(_Frozen):
-    """One step of a pipeline: a model, and how its tensors map to the pipeline's.
-
-    ``inputs`` maps the step model's input names to pipeline tensor names
-    (an input not listed takes the tensor of its own name); ``outputs`` maps
-    the step model's output names to the names they are published under
-    (when empty, every output is published under its own name).
-    """
-
-    model: Annotated[str, Field(pattern=_NAME)]
-    version: Annotated[str | None, Field(pattern=r"^[0-9]+$")] = None  # None: the highest
-    inputs: dict[str, str] = {}
-    outputs: dict[str, str] = {}
-
-
-# Engines whose models are not a weights file.
-_NO_PATH_ENGINES = ("python", "pipeline")
-
-
 class ModelConfig(_Frozen):
-    """One served model version.
-
-    ``engine`` decides what else is needed: a ``path`` (torch), a ``handler``
-    class (python, where ``path`` and ``parameters`` are optional and handed
-    to the handler), or ``steps`` (pipeline).
-    """
+    """One served model version."""
 
     name: Annotated[str, Field(pattern=_NAME)]
     version: Annotated[str, Field(pattern=r"^[0-9]+$")] = "1"
-    engine: Literal["torch", "python", "pipeline"]
-    path: Annotated[str | None, Field(min_length=1)] = None
-    handler: Annotated[str | None, Field(pattern=_HANDLER)] = None  # "package.module:Class"
-    parameters: dict[str, Any] = {}  # python handlers only: given to load(context)
-    steps: list[PipelineStep] = []  # pipelines only
+    engine: Literal["torch", "onnx", "tensorrt"]
+    path: Annotated[str, Field(min_length=1)]
     device: str = "cpu"
     instances: Annotated[int, Field(ge=1, le=64)] = 1
     cpu_threads: Annotated[int, Field(ge=1, le=256)] = 1
-    inputs: Annotated[list[TensorSpec], Field(min_length=1)]
-    outputs: Annotated[list[TensorSpec], Field(min_length=1)]
+    inputs: Annotated[list[TensorSpec], Field(validate_default=True)] = []
+    outputs: Annotated[list[TensorSpec], Field(validate_default=True)] = []
     batching: BatchingConfig = BatchingConfig()
+    precision: Literal["fp32", "fp16"] = "fp32"  # tensorrt only: of an engine built from .onnx
+    cuda_graphs: bool = False  # torch on CUDA only: replay captured graphs per batch size
+
+    @field_validator("inputs", "outputs")
+    @classmethod
+    def _tensors_for_engine(cls, specs: list[TensorSpec], info: ValidationInfo) -> list[TensorSpec]:
+        engine = info.data.get("engine")
+        # An onnx model's tensors may be left out: they are read from the model file.
+        if engine is not None and engine != "onnx" and not specs:
+            raise ValueError(f"required with engine '{engine}': list at least one tensor")
+        return specs
 
     @field_validator("device")
     @classmethod
@@ -151,34 +142,39 @@ class ModelConfig(_Frozen):
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"{kind}: duplicate tensor name(s) {', '.join(dupes)}")
-        return self
-
-    @model_validator(mode="after")
-    def _engine_fields(self) -> ModelConfig:
-        engine = self.engine
-        if engine not in _NO_PATH_ENGINES and self.path is None:
-            raise ValueError(f"path: required with engine '{engine}'")
-        if (engine == "python") != (self.handler is not None):
-            raise ValueError(
-                "handler: required with engine 'python'"
-                if engine == "python"
-                else f"handler: only for engine 'python' (this model's engine is '{engine}')"
-            )
-        if self.parameters and engine != "python":
-            raise ValueError(f"parameters: only for engine 'python' (this one is '{engine}')")
-        if (engine == "pipeline") != bool(self.steps):
-            raise ValueError(
-                "steps: a pipeline needs at least one step"
-                if engine == "pipeline"
-                else f"steps: only for engine 'pipeline' (this model's engine is '{engine}')"
-            )
-        if engine == "pipeline" and self.path is not None:
-            raise ValueError("path: a pipeline has no file; its steps name models")
+        _check_accelerator_fields(self)
         return self
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.name, self.version)
+
+
+def _check_accelerator_fields(m: ModelConfig) -> None:
+    """``precision`` and ``cuda_graphs`` only where they mean something; TensorRT on a GPU."""
+    if m.precision != "fp32" and m.engine != "tensorrt":
+        raise ValueError(f"precision: only for engine 'tensorrt' (this one is '{m.engine}')")
+    if m.engine == "tensorrt":
+        if m.device == "cpu":
+            raise ValueError("device: the tensorrt engine runs on a GPU: use cuda or cuda:N")
+        for spec in (*m.inputs, *m.outputs):
+            if -1 in spec.shape:
+                raise ValueError(
+                    f"'{spec.name}' has shape {spec.shape}: the tensorrt engine needs fixed "
+                    "dimensions besides the batch"
+                )
+    if m.cuda_graphs:
+        if m.engine != "torch" or m.device == "cpu":
+            raise ValueError(
+                f"cuda_graphs: only for engine 'torch' on a CUDA device "
+                f"(this model: engine '{m.engine}' on '{m.device}')"
+            )
+        variable = [s.name for s in m.inputs if -1 in s.shape]
+        if variable:
+            raise ValueError(
+                f"cuda_graphs: needs fixed input shapes; {', '.join(variable)} has a variable "
+                "dimension"
+            )
 
 
 class ServerConfig(_Frozen):
@@ -206,12 +202,6 @@ class ConfigError(Exception):
 
 def load_config(path: str | Path) -> tuple[ServerConfig, Path]:
     """Read and validate a config file; returns it and the folder paths resolve against."""
-    config, base_dir, _ = read_config(path)
-    return config, base_dir
-
-
-def read_config(path: str | Path) -> tuple[ServerConfig, Path, bytes]:
-    """:func:`load_config`, plus the file's bytes (a reload compares them)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -221,19 +211,17 @@ def read_config(path: str | Path) -> tuple[ServerConfig, Path, bytes]:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-    return parse_config(data, source=str(path)), path.resolve().parent, raw
+    return parse_config(data, source=str(path)), path.resolve().parent
 
 
 def check_model_files(config: ServerConfig, base_dir: Path) -> None:
-    """Every model's ``path`` must exist (relative paths resolve against ``base_dir``),
-    and every python handler must import. Blocking (imports user code): call off the loop."""
+    """Every model's ``path`` must exist (relative paths resolve against ``base_dir``)."""
     from aserve import builtin_models
+    from aserve.engines.requirements import engine_problem
 
     problems = []
     for i, m in enumerate(config.models):
-        if m.path is None:
-            pass
-        elif m.path.startswith(builtin_models.PREFIX):
+        if m.path.startswith(builtin_models.PREFIX):
             name = m.path[len(builtin_models.PREFIX) :]
             if name not in builtin_models.BUILDERS:
                 known = ", ".join(sorted(builtin_models.BUILDERS))
@@ -242,13 +230,9 @@ def check_model_files(config: ServerConfig, base_dir: Path) -> None:
                 )
         elif not (base_dir / m.path).is_file():
             problems.append(f"models[{i}].path: file not found: {base_dir / m.path}")
-        if m.handler is not None:
-            from aserve.engines.python_handler import HandlerImportError, import_handler
-
-            try:
-                import_handler(m.handler, base_dir)
-            except HandlerImportError as exc:
-                problems.append(f"models[{i}].handler: {exc}")
+        problem = engine_problem(m.engine, m.device)
+        if problem:
+            problems.append(f"models[{i}].engine: {problem}")
     if problems:
         raise ConfigError("invalid config\n  " + "\n  ".join(problems))
 
@@ -258,16 +242,10 @@ def parse_config(data: Any, source: str = "config") -> ServerConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object")
     try:
-        config = ServerConfig.model_validate(data)
+        return ServerConfig.model_validate(data)
     except ValidationError as exc:
         lines = [f"{_json_path(e['loc'])}: {_message(e)}" for e in exc.errors()]
         raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines)) from None
-    from aserve.pipeline_config import check_pipelines  # needs the classes above
-
-    lines = check_pipelines(config)
-    if lines:
-        raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines))
-    return config
 
 
 def _json_path(loc: tuple[Any, ...]) -> str:
@@ -292,8 +270,6 @@ def _message(err: Any) -> str:
         return "unknown key"
     if kind == "missing":
         return "required key is missing"
-    if kind == "string_pattern_mismatch" and err["loc"][-1] == "handler":
-        return f"{err['input']!r} is not 'package.module:ClassName'"
     if kind == "string_pattern_mismatch":
         return f"{err['input']!r} is not a valid name (letters, digits, '_', '.', '-')"
     msg: str = err["msg"]

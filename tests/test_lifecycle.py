@@ -38,7 +38,7 @@ BAD_CONFIGS = [
     ({"models": [_affine_entry(max_batch_size=4, preferred_batch_sizes=[8])]},
      "models[0].batching: preferred_batch_sizes: 8 must be between 1 and max_batch_size (4)"),
     ({"models": [{k: v for k, v in _affine_entry().items() if k != "inputs"}]},
-     "models[0].inputs: required key is missing"),
+     "models[0].inputs: required with engine 'torch'"),
     ({"http": {"port": 70000}}, "http.port: must be <= 65535"),
     ({"grpc": {"port": 70000}}, "grpc.port: must be <= 65535"),
     ({"models": [_affine_entry(), _affine_entry()]}, "model 'affine' version '1' is configured twice"),

@@ -19,4 +19,8 @@ def create_engine(config: ModelConfig, model_path: Path) -> Engine:
         from aserve.engines.torch_engine import TorchEngine
 
         return TorchEngine(config, model_path)
+    if config.engine == "onnx":
+        from aserve.engines.onnx_engine import OnnxEngine
+
+        return OnnxEngine(config, model_path)
     raise ValueError(f"unknown engine '{config.engine}'")  # config validation prevents this
