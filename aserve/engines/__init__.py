@@ -23,4 +23,8 @@ def create_engine(config: ModelConfig, model_path: Path) -> Engine:
         from aserve.engines.onnx_engine import OnnxEngine
 
         return OnnxEngine(config, model_path)
+    if config.engine == "tensorrt":
+        from aserve.engines.tensorrt_engine import TensorRTEngine
+
+        return TensorRTEngine(config, model_path)
     raise ValueError(f"unknown engine '{config.engine}'")  # config validation prevents this
