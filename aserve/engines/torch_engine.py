@@ -24,13 +24,17 @@ log = logging.getLogger("aserve.engines.torch")
 
 
 class _Instance:
-    """Per-thread state: the CUDA stream and pinned staging buffers (None on CPU)."""
+    """Per-thread state: the CUDA stream, pinned staging buffers and captured
+    CUDA graphs by batch size (None/empty on CPU)."""
 
-    __slots__ = ("pinned_in", "stream")
+    __slots__ = ("graphs", "pinned_in", "stream")
 
-    def __init__(self, stream: Any, pinned_in: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self, stream: Any, pinned_in: dict[str, torch.Tensor], graphs: dict[int, Any] | None = None
+    ) -> None:
         self.stream = stream
         self.pinned_in = pinned_in
+        self.graphs = graphs or {}
 
 
 class TorchEngine(Engine):
@@ -88,7 +92,17 @@ class TorchEngine(Engine):
                 pinned[spec.name] = torch.empty(
                     (max_batch, *spec.shape), dtype=dtype, pin_memory=True
                 )
-        return _Instance(stream, pinned)
+        graphs = {}
+        if self.config.cuda_graphs:
+            from aserve.engines import cuda_graphs
+
+            b = self.config.batching
+            graphs = cuda_graphs.capture(
+                self._module, self.config.inputs,
+                cuda_graphs.capture_sizes(b.preferred_batch_sizes, b.max_batch_size),
+                self.device, stream, self._as_list, f"{self.config.name} instance {index}",
+            )  # fmt: skip
+        return _Instance(stream, pinned, graphs)
 
     def run(self, inputs: dict[str, np.ndarray], instance: _Instance) -> dict[str, np.ndarray]:
         with torch.inference_mode():
@@ -102,9 +116,11 @@ class TorchEngine(Engine):
 
     def _run_cuda(self, inputs: dict[str, np.ndarray], inst: _Instance) -> dict[str, np.ndarray]:
         stream = inst.stream
+        # A batch of a captured size replays its graph: uploads go straight into its inputs.
+        graph = inst.graphs.get(inputs[self._in_names[0]].shape[0]) if inst.graphs else None
         with torch.cuda.stream(stream):
             args = []
-            for name in self._in_names:
+            for i, name in enumerate(self._in_names):
                 host = torch.from_numpy(inputs[name])
                 staging = inst.pinned_in.get(name)
                 if staging is not None:
@@ -112,9 +128,13 @@ class TorchEngine(Engine):
                     staging.copy_(host)
                 else:
                     staging = host.pin_memory()
-                args.append(staging.to(self.device, non_blocking=True))
+                if graph is not None:
+                    graph.inputs[i].copy_(staging, non_blocking=True)
+                else:
+                    args.append(staging.to(self.device, non_blocking=True))
+            results = graph.replay() if graph is not None else self._as_list(self._module(*args))
             outs = []
-            for t in self._as_list(self._module(*args)):
+            for t in results:
                 dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 dst.copy_(t, non_blocking=True)
                 outs.append(dst)
