@@ -13,7 +13,7 @@ loading, in a worker thread during startup); nothing here touches asyncio.
 
 from __future__ import annotations
 
-from aserve.engines.decoder.config import GenerationConfig
+from aserve.config import GenerationConfig
 from aserve.engines.decoder.engine import DecoderEngine
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel

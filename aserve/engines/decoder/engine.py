@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from aserve.engines.decoder.config import GenerationConfig
+from aserve.config import GenerationConfig
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel, resolve_dtype
 from aserve.engines.decoder.sampling import SamplingParams, make_generator, sample
