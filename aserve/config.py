@@ -32,6 +32,7 @@ assert set(Datatype.__args__) == set(DATATYPES)  # type: ignore[attr-defined]
 
 _NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"
 _DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+)$")
+_HANDLER = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class _Frozen(BaseModel):
@@ -103,19 +104,85 @@ class BatchingConfig(_Frozen):
         return self
 
 
+class PipelineStep(_Frozen):
+    """One step of a pipeline: a model, and how its tensors map to the pipeline's.
+
+    ``inputs`` maps the step model's input names to pipeline tensor names
+    (an input not listed takes the tensor of its own name); ``outputs`` maps
+    the step model's output names to the names they are published under
+    (when empty, every output is published under its own name).
+    """
+
+    model: Annotated[str, Field(pattern=_NAME)]
+    version: Annotated[str | None, Field(pattern=r"^[0-9]+$")] = None  # None: the highest
+    inputs: dict[str, str] = {}
+    outputs: dict[str, str] = {}
+
+
+class GenerationConfig(_Frozen):
+    """Capacity and limits of one decoder model (its ``"generation"`` block).
+
+    The KV cache is preallocated for ``max_num_seqs`` x ``max_model_len``
+    positions per layer, so these two numbers fix the engine's memory.
+    """
+
+    max_num_seqs: Annotated[int, Field(ge=1, le=4096)] = 32
+    """Sequences decoded together (KV-cache slots)."""
+    max_model_len: Annotated[int, Field(ge=2)] = 2048
+    """Longest sequence, prompt plus generated tokens, in tokens."""
+    max_tokens_default: Annotated[int, Field(ge=1)] = 256
+    """Generated tokens when a request does not say ``max_tokens``."""
+    max_tokens_cap: Annotated[int, Field(ge=1)] = 4096
+    """Most tokens a request may ask for; a larger ``max_tokens`` is refused."""
+    max_prefill_tokens: Annotated[int, Field(ge=1)] = 2048
+    """Prompt tokens one step may prefill. The first sequence a step admits
+    is admitted whatever its length, so a long prompt is never starved."""
+    max_queue_size: Annotated[int, Field(ge=1)] = 256
+    """Sequences waiting for a KV-cache slot; past it a request is refused (429)."""
+    timeout_ms: Annotated[float, Field(gt=0)] = 300_000.0
+    """Deadline of a whole generation, waiting included, unless the request sets one."""
+    stream_buffer_chunks: Annotated[int, Field(ge=1)] = 32
+    """Steps of output a stream's reader may leave unread before its sequence
+    is paused: it keeps its slot but is not decoded until the reader catches up."""
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> GenerationConfig:
+        if self.max_tokens_default > self.max_tokens_cap:
+            raise ValueError(
+                f"max_tokens_default ({self.max_tokens_default}) must be <= "
+                f"max_tokens_cap ({self.max_tokens_cap})"
+            )
+        return self
+
+
+# Engines whose models are not a weights file.
+_NO_PATH_ENGINES = ("python", "pipeline")
+
+
 class ModelConfig(_Frozen):
-    """One served model version."""
+    """One served model version.
+
+    ``engine`` decides what else is needed: a ``path`` (torch), a ``handler``
+    class (python, where ``path`` and ``parameters`` are optional and handed
+    to the handler), or ``steps`` (pipeline).
+    """
 
     name: Annotated[str, Field(pattern=_NAME)]
     version: Annotated[str, Field(pattern=r"^[0-9]+$")] = "1"
-    engine: Literal["torch", "onnx", "tensorrt"]
-    path: Annotated[str, Field(min_length=1)]
+    engine: Literal["torch", "python", "pipeline", "decoder", "onnx", "tensorrt"]
+    path: Annotated[str | None, Field(min_length=1)] = None
+    handler: Annotated[str | None, Field(pattern=_HANDLER)] = None  # "package.module:Class"
+    parameters: dict[str, Any] = {}  # python handlers only: given to load(context)
+    steps: list[PipelineStep] = []  # pipelines only
     device: str = "cpu"
     instances: Annotated[int, Field(ge=1, le=64)] = 1
     cpu_threads: Annotated[int, Field(ge=1, le=256)] = 1
+    # A decoder model's tensors are fixed (text_input -> text_output); others must list theirs.
     inputs: Annotated[list[TensorSpec], Field(validate_default=True)] = []
     outputs: Annotated[list[TensorSpec], Field(validate_default=True)] = []
     batching: BatchingConfig = BatchingConfig()
+    generation: GenerationConfig = GenerationConfig()  # decoder only
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # decoder only
     precision: Literal["fp32", "fp16"] = "fp32"  # tensorrt only: of an engine built from .onnx
     cuda_graphs: bool = False  # torch on CUDA only: replay captured graphs per batch size
 
@@ -123,10 +190,29 @@ class ModelConfig(_Frozen):
     @classmethod
     def _tensors_for_engine(cls, specs: list[TensorSpec], info: ValidationInfo) -> list[TensorSpec]:
         engine = info.data.get("engine")
+        if engine == "decoder" and specs:
+            raise ValueError(
+                "a decoder model's tensors are fixed (text_input -> text_output): remove this key"
+            )
         # An onnx model's tensors may be left out: they are read from the model file.
-        if engine is not None and engine != "onnx" and not specs:
+        if engine is not None and engine not in ("decoder", "onnx") and not specs:
             raise ValueError(f"required with engine '{engine}': list at least one tensor")
         return specs
+
+    @field_validator("batching", "instances", "generation", "dtype")
+    @classmethod
+    def _decoder_fields(cls, value: Any, info: ValidationInfo) -> Any:
+        # Runs only for keys the config gives, not for defaults.
+        engine = info.data.get("engine")
+        if engine is None:
+            return value
+        if info.field_name in ("generation", "dtype") and engine != "decoder":
+            raise ValueError(f"only for engine 'decoder' (this model's engine is '{engine}')")
+        if engine == "decoder" and info.field_name == "batching":
+            raise ValueError("not for engine 'decoder': its scheduling is set in 'generation'")
+        if engine == "decoder" and info.field_name == "instances" and value != 1:
+            raise ValueError("engine 'decoder' runs on exactly one instance")
+        return value
 
     @field_validator("device")
     @classmethod
@@ -142,6 +228,29 @@ class ModelConfig(_Frozen):
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"{kind}: duplicate tensor name(s) {', '.join(dupes)}")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_fields(self) -> ModelConfig:
+        engine = self.engine
+        if engine not in _NO_PATH_ENGINES and self.path is None:
+            raise ValueError(f"path: required with engine '{engine}'")
+        if (engine == "python") != (self.handler is not None):
+            raise ValueError(
+                "handler: required with engine 'python'"
+                if engine == "python"
+                else f"handler: only for engine 'python' (this model's engine is '{engine}')"
+            )
+        if self.parameters and engine != "python":
+            raise ValueError(f"parameters: only for engine 'python' (this one is '{engine}')")
+        if (engine == "pipeline") != bool(self.steps):
+            raise ValueError(
+                "steps: a pipeline needs at least one step"
+                if engine == "pipeline"
+                else f"steps: only for engine 'pipeline' (this model's engine is '{engine}')"
+            )
+        if engine == "pipeline" and self.path is not None:
+            raise ValueError("path: a pipeline has no file; its steps name models")
         _check_accelerator_fields(self)
         return self
 
@@ -202,6 +311,12 @@ class ConfigError(Exception):
 
 def load_config(path: str | Path) -> tuple[ServerConfig, Path]:
     """Read and validate a config file; returns it and the folder paths resolve against."""
+    config, base_dir, _ = read_config(path)
+    return config, base_dir
+
+
+def read_config(path: str | Path) -> tuple[ServerConfig, Path, bytes]:
+    """:func:`load_config`, plus the file's bytes (a reload compares them)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -211,28 +326,43 @@ def load_config(path: str | Path) -> tuple[ServerConfig, Path]:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-    return parse_config(data, source=str(path)), path.resolve().parent
+    return parse_config(data, source=str(path)), path.resolve().parent, raw
 
 
 def check_model_files(config: ServerConfig, base_dir: Path) -> None:
-    """Every model's ``path`` must exist (relative paths resolve against ``base_dir``)."""
+    """Every model's ``path`` must exist (relative paths resolve against ``base_dir``),
+    and every python handler must import. Blocking (imports user code): call off the loop."""
     from aserve import builtin_models
     from aserve.engines.requirements import engine_problem
 
     problems = []
     for i, m in enumerate(config.models):
-        if m.path.startswith(builtin_models.PREFIX):
+        if m.path is None:
+            pass
+        elif m.path.startswith(builtin_models.PREFIX):
             name = m.path[len(builtin_models.PREFIX) :]
             if name not in builtin_models.BUILDERS:
                 known = ", ".join(sorted(builtin_models.BUILDERS))
                 problems.append(
                     f"models[{i}].path: unknown builtin model '{name}' (known: {known})"
                 )
+        elif m.engine == "decoder":
+            if not (base_dir / m.path / "config.json").is_file():
+                problems.append(
+                    f"models[{i}].path: not a model folder (no config.json): {base_dir / m.path}"
+                )
         elif not (base_dir / m.path).is_file():
             problems.append(f"models[{i}].path: file not found: {base_dir / m.path}")
         problem = engine_problem(m.engine, m.device)
         if problem:
             problems.append(f"models[{i}].engine: {problem}")
+        if m.handler is not None:
+            from aserve.engines.python_handler import HandlerImportError, import_handler
+
+            try:
+                import_handler(m.handler, base_dir)
+            except HandlerImportError as exc:
+                problems.append(f"models[{i}].handler: {exc}")
     if problems:
         raise ConfigError("invalid config\n  " + "\n  ".join(problems))
 
@@ -242,10 +372,16 @@ def parse_config(data: Any, source: str = "config") -> ServerConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object")
     try:
-        return ServerConfig.model_validate(data)
+        config = ServerConfig.model_validate(data)
     except ValidationError as exc:
         lines = [f"{_json_path(e['loc'])}: {_message(e)}" for e in exc.errors()]
         raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines)) from None
+    from aserve.pipeline_config import check_pipelines  # needs the classes above
+
+    lines = check_pipelines(config)
+    if lines:
+        raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines))
+    return config
 
 
 def _json_path(loc: tuple[Any, ...]) -> str:
@@ -270,6 +406,8 @@ def _message(err: Any) -> str:
         return "unknown key"
     if kind == "missing":
         return "required key is missing"
+    if kind == "string_pattern_mismatch" and err["loc"][-1] == "handler":
+        return f"{err['input']!r} is not 'package.module:ClassName'"
     if kind == "string_pattern_mismatch":
         return f"{err['input']!r} is not a valid name (letters, digits, '_', '.', '-')"
     msg: str = err["msg"]
