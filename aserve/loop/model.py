@@ -19,6 +19,7 @@ from aserve import builtin_models
 from aserve.codecs.datatypes import numpy_dtype
 from aserve.config import ModelConfig
 from aserve.engines import create_engine
+from aserve.engines.base import Engine
 from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.errors import Unavailable
 from aserve.loop.request import InferenceRequest
@@ -29,10 +30,19 @@ log = logging.getLogger("aserve.model")
 
 PLATFORMS = {
     "torch": "pytorch_torchscript",
+    "python": "python",
+    "pipeline": "ensemble",
     "onnx": "onnxruntime_onnx",
     "tensorrt": "tensorrt_plan",
 }
-BACKENDS = {"torch": "pytorch", "onnx": "onnxruntime", "tensorrt": "tensorrt"}
+BACKENDS = {
+    "torch": "pytorch",
+    "python": "python",
+    "pipeline": "",
+    "onnx": "onnxruntime",
+    "tensorrt": "tensorrt",
+}
+DRAIN_POLL_S = 0.02
 
 
 class ModelState(enum.Enum):
@@ -64,9 +74,11 @@ class ModelRuntime:
     def ready(self) -> bool:
         return self.state is ModelState.READY
 
-    def model_path(self) -> Path:
+    def model_path(self) -> Path | None:
         """Where the weights are; builds builtin models. Blocking: call off the loop."""
         path = self.config.path
+        if path is None:
+            return None
         if path.startswith(builtin_models.PREFIX):
             return builtin_models.resolve(path[len(builtin_models.PREFIX) :])
         return (self._base_dir / path).resolve()
@@ -75,7 +87,7 @@ class ModelRuntime:
         """Load, start the instances and warm up; the model is READY afterwards."""
         t0 = time.perf_counter()
         path = await asyncio.to_thread(self.model_path)
-        engine = create_engine(self.config, path)
+        engine = self._create_engine(path)
         await asyncio.to_thread(engine.load)
         self._serve_specs_of(engine.config)
         self._pool = ExecutorPool(engine, self.config.instances, self.name)
@@ -85,10 +97,14 @@ class ModelRuntime:
         self.state = ModelState.READY
         log.info(
             "model %s loaded from %s on %s (%d instance(s), %.2fs); batch latency %s",
-            self.label, path, self.config.device, self.config.instances,
+            self.label, path or self.config.handler, self.config.device, self.config.instances,
             time.perf_counter() - t0,
             {k: f"{v * 1e3:.2f}ms" for k, v in self.batcher.latency.snapshot().items()},
         )  # fmt: skip
+
+    def _create_engine(self, path: Path | None) -> Engine:
+        assert path is not None  # the config requires a path for these engines
+        return create_engine(self.config, path)
 
     def _serve_specs_of(self, served: ModelConfig) -> None:
         """Serve the tensors the loaded engine settled on (an onnx model's may come from
@@ -103,26 +119,32 @@ class ModelRuntime:
         The first pass pays one-time costs (allocation, TorchScript profiling);
         the second pass seeds the batcher's latency estimates.
         """
-        assert self._pool is not None and self.batcher is not None
+        assert self.batcher is not None
         b = self.config.batching
         sizes = sorted({1, *b.preferred_batch_sizes, b.max_batch_size})
-        loop = asyncio.get_running_loop()
         for measure in (False, True):
             for size in sizes:
                 inputs = {
                     s.name: _dummy(s.datatype, s.shape, size) for s in self.input_specs.values()
                 }
-                futures = []
-                for _ in range(self.config.instances):
-                    fut: asyncio.Future[BatchJob] = loop.create_future()
-                    futures.append(fut)
-                    started = time.perf_counter()
-                    self._pool.submit(BatchJob([inputs], size, _settle_job, (fut, started)))
-                for job in await asyncio.gather(*futures):
+                jobs = await asyncio.gather(
+                    *(self._run_direct(inputs, size) for _ in range(self.config.instances))
+                )
+                for job in jobs:
                     if job.error is not None:
                         raise RuntimeError(f"warm-up with batch size {size} failed: {job.error}")
                     if measure:
                         self.batcher.latency.observe(size, job.tag[2])
+
+    async def _run_direct(self, inputs: dict[str, np.ndarray], size: int) -> BatchJob:
+        """Run one batch on an instance, bypassing the batcher (warm-up only).
+
+        The finished job's ``tag[2]`` is its run time in seconds.
+        """
+        assert self._pool is not None
+        fut: asyncio.Future[BatchJob] = asyncio.get_running_loop().create_future()
+        self._pool.submit(BatchJob([inputs], size, _settle_job, (fut, time.perf_counter())))
+        return await fut
 
     def submit(self, req: InferenceRequest) -> None:
         if self.state is not ModelState.READY or self.batcher is None:
@@ -160,7 +182,41 @@ class ModelRuntime:
 
     @property
     def busy(self) -> bool:
+        """Requests are queued, running, or (subclasses) in pre/post-processing."""
         return self.batcher is not None and not self.batcher.idle
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or running (True), or ``timeout_s`` passed (False).
+
+        Used on a runtime that routing no longer reaches: nothing new arrives,
+        so polling only has to see the count fall to zero once.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.busy:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
+
+    def reconfigure(self, config: ModelConfig) -> None:
+        """Apply a config that differs from the current one only in batching
+        settings that need no reload (all but ``max_batch_size``).
+
+        Queued requests keep their deadlines; new ones get the new settings.
+        """
+        assert config.key == self.config.key
+        assert config.batching.max_batch_size == self.config.batching.max_batch_size
+        self.config = config
+        self.default_timeout_s = config.batching.timeout_ms / 1000.0
+        if self.batcher is not None:
+            self.batcher.reconfigure(config.batching)
+
+    @staticmethod
+    def reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
+        """Whether ``new`` can be applied to a runtime of ``old`` without a reload."""
+        if old.batching.max_batch_size != new.batching.max_batch_size:
+            return False
+        return old.model_copy(update={"batching": new.batching}) == new
 
     def metadata(self) -> dict[str, Any]:
         return {
