@@ -1,0 +1,402 @@
+"""The continuous batcher of one decoder model: iteration-level scheduling on the loop.
+
+Runs on the event loop only; the decisions come from :mod:`.step_policy`.
+Exactly one engine step is in flight at a time, on the model's step thread
+(:class:`aserve.engines.step_executor.StepExecutor`). When it comes back,
+the outputs go into each request's :class:`~aserve.streaming.channel.TokenChannel`
+and the next step is formed at once: finished, cancelled and expired
+sequences have left, waiting ones are admitted as slots and the prefill
+budget allow, paused ones (their reader is behind) sit out. The loop never
+waits for the thread; while a step runs, arrivals just queue.
+
+Slots: the loop counts the KV-cache slots it has handed out. A sequence
+that finishes frees its slot inside the step; one that is cancelled or
+expires while holding a slot is freed by the thread at the start of the next
+step (``StepJob.free``), which is when that slot can be reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import enum
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from aserve.config import GenerationConfig
+from aserve.engines.decoder import Sequence
+from aserve.engines.step_executor import StepJob
+from aserve.errors import AserveError, DeadlineExceeded, InternalError, QueueFull, Unavailable
+from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
+from aserve.stats import ModelStats
+from aserve.streaming.channel import Delta, TokenChannel
+
+log = logging.getLogger("aserve.continuous")
+
+_ids = itertools.count(1)
+
+
+class Executor(Protocol):
+    def submit(self, job: StepJob) -> None: ...
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    DONE = "done"  # finished, failed, expired or cancelled: the batcher is done with it
+
+
+class GenerationRequest:
+    """One generation request on the loop: its sequence, deadline and token stream.
+
+    The frontend reads it as an async iterator of :class:`Delta` (the last
+    one has a ``finish_reason``; a failure raises its :class:`AserveError`
+    after the text already produced) and uses it as an async context
+    manager: leaving the ``async with`` early, by an error or by the task
+    being cancelled because the client went away, cancels the sequence,
+    which then leaves the batch at the next step.
+    """
+
+    __slots__ = (
+        "_batcher",
+        "admitted",
+        "arrival",
+        "channel",
+        "client_id",
+        "deadline",
+        "holds_slot",
+        "id",
+        "prompt_tokens",
+        "sequence",
+        "state",
+    )
+
+    def __init__(
+        self,
+        batcher: ContinuousBatcher,
+        sequence: Sequence,
+        prompt_tokens: int,
+        arrival: float,
+        deadline: float,
+        channel: TokenChannel,
+        client_id: str | None,
+    ) -> None:
+        self.id = next(_ids)
+        self._batcher = batcher
+        self.sequence = sequence  # handed to the step thread; the loop never reads it again
+        self.prompt_tokens = prompt_tokens
+        self.arrival = arrival
+        self.deadline = deadline
+        self.channel = channel
+        self.client_id = client_id
+        self.state = State.WAITING
+        self.admitted = 0.0
+        self.holds_slot = False
+
+    def __lt__(self, other: GenerationRequest) -> bool:
+        return (self.deadline, self.id) < (other.deadline, other.id)
+
+    @property
+    def log_id(self) -> str:
+        return f"{self.id}" if self.client_id is None else f"{self.id}/{self.client_id}"
+
+    def __aiter__(self) -> TokenChannel:
+        return self.channel
+
+    async def __anext__(self) -> Delta:
+        return await self.channel.__anext__()
+
+    def cancel(self) -> None:
+        """The reader is gone: stop generating (no-op once the request is done)."""
+        self._batcher.cancel(self)
+
+    async def __aenter__(self) -> GenerationRequest:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+    async def collect(self) -> tuple[str, Delta | None]:
+        """The whole text and the last delta (None if nothing came), for unary answers."""
+        parts, last = [], None
+        async for delta in self.channel:
+            parts.append(delta.text)
+            last = delta
+        return "".join(parts), last
+
+
+class ContinuousBatcher:
+    def __init__(
+        self,
+        label: str,
+        generation: GenerationConfig,
+        executor: Executor,
+        stats: ModelStats,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.label = label
+        self.limits = StepLimits(generation.max_num_seqs, generation.max_prefill_tokens)
+        self.max_queue_size = generation.max_queue_size
+        self.buffer_chunks = generation.stream_buffer_chunks
+        self._executor = executor
+        self._stats = stats
+        self._clock = clock
+        self._loop = asyncio.get_running_loop()
+        self._waiting: list[GenerationRequest] = []  # sorted by (deadline, id)
+        self._running: dict[int, GenerationRequest] = {}  # by id, in admission order
+        self._to_free: dict[int, GenerationRequest] = {}  # left the batch, slot not yet freed
+        self._slots_held = 0
+        self._in_flight: StepJob | None = None
+        self._step_soon = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        # Observability (the model's statistics).
+        self.steps = 0
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.step_batch_sizes: dict[int, int] = {}
+
+    # --- state seen by others -------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Sequences in the batch (paused ones included)."""
+        return len(self._running)
+
+    @property
+    def paused(self) -> int:
+        return sum(1 for r in self._running.values() if r.channel.paused)
+
+    @property
+    def slots_held(self) -> int:
+        """KV-cache slots taken, those of sequences waiting to be freed included."""
+        return self._slots_held
+
+    @property
+    def step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._running and self._in_flight is None
+
+    # --- requests in and out ----------------------------------------------------
+
+    def submit(
+        self,
+        sequence: Sequence,
+        prompt_tokens: int,
+        timeout_s: float,
+        client_id: str | None = None,
+    ) -> GenerationRequest:
+        """Queue a prepared sequence, or raise at once (QueueFull / Unavailable)."""
+        if self._closed:
+            raise Unavailable(f"model '{self.label}' is unloading")
+        if len(self._waiting) >= self.max_queue_size:
+            self._stats.rejected["queue_full"] += 1
+            raise QueueFull(
+                f"model '{self.label}' queue is full: {len(self._waiting)} sequences waiting "
+                f"for a slot (generation.max_queue_size {self.max_queue_size}); retry later"
+            )
+        now = self._clock()
+        channel = TokenChannel(self.buffer_chunks, on_resume=self._kick)
+        req = GenerationRequest(
+            self, sequence, prompt_tokens, now, now + timeout_s, channel, client_id
+        )
+        bisect.insort(self._waiting, req)
+        self._kick()
+        return req
+
+    def cancel(self, req: GenerationRequest) -> None:
+        """The reader went away: drop ``req`` from the queue or the batch."""
+        if req.state is State.DONE:
+            return
+        if req.state is State.WAITING:
+            self._waiting.remove(req)
+        else:
+            del self._running[req.id]
+            self._to_free[req.id] = req
+        req.state = State.DONE
+        req.channel.close()
+        self._stats.cancelled += 1
+        log.debug("generation %s on '%s' cancelled", req.log_id, self.label)
+        self._kick()
+
+    def _end(self, req: GenerationRequest, error: AserveError) -> None:
+        """End a waiting or running request with ``error``."""
+        if req.state is State.RUNNING:
+            del self._running[req.id]
+            self._to_free[req.id] = req
+        req.state = State.DONE
+        req.channel.fail(error)
+        self._stats.fail.add(int((self._clock() - req.arrival) * 1e9))
+
+    # --- forming steps ----------------------------------------------------------
+
+    def _kick(self) -> None:
+        """Something changed: form a step soon, unless one is in flight.
+
+        ``call_soon`` coalesces the arrivals parsed in one pass of the loop,
+        so they are admitted (and prefilled) together.
+        """
+        if self._in_flight is None and not self._step_soon and not self._closed:
+            self._step_soon = True
+            self._loop.call_soon(self._form_step)
+
+    def _form_step(self) -> None:
+        self._step_soon = False
+        if self._in_flight is not None or self._closed:
+            return
+        now = self._clock()
+        running = list(self._running.values())
+        for r in running:
+            if r.channel.full:
+                r.channel.paused = True
+        plan = plan_step(
+            now,
+            [RunningView(r.deadline, r.channel.paused) for r in running],
+            (WaitingView(w.deadline, w.prompt_tokens) for w in self._waiting),
+            # Slots of sequences that left since the last step are freed first.
+            self._slots_held - len(self._to_free),
+            self.limits,
+        )
+        for i in plan.expire_running:
+            r = running[i]
+            self._stats.timed_out += 1
+            self._end(r, DeadlineExceeded(
+                f"generation timed out after {(now - r.arrival) * 1e3:.0f} ms "
+                f"({r.channel.backlog} step(s) unread by the client) on '{self.label}'"
+            ))  # fmt: skip
+        head = len(plan.expire_waiting) + len(plan.admit)
+        queue, self._waiting[:head] = self._waiting[:head], []
+        for i in plan.expire_waiting:
+            w = queue[i]
+            self._stats.timed_out += 1
+            self._end(w, DeadlineExceeded(
+                f"generation timed out after {(now - w.arrival) * 1e3:.0f} ms waiting for a "
+                f"slot of '{self.label}'"
+            ))  # fmt: skip
+        new = [queue[i] for i in plan.admit]
+        decode = [running[i] for i in plan.decode]
+        free = list(self._to_free.values())
+        self._to_free.clear()
+        if not new and not decode and not free:
+            self._arm_timer(plan.wake_at)
+            return
+        self._disarm_timer()
+        for r in free:
+            r.holds_slot = False
+        self._slots_held -= len(free)
+        queue_ns = 0
+        for r in new:
+            r.state = State.RUNNING
+            r.admitted = now
+            r.holds_slot = True
+            self._running[r.id] = r
+            queue_ns += int((now - r.arrival) * 1e9)
+        if new:
+            self._stats.queue.add(queue_ns, len(new))
+        self._slots_held += len(new)
+        job = StepJob(
+            [r.sequence for r in new],
+            [r.sequence for r in decode],
+            [r.sequence for r in free],
+            self._on_step_done,
+            new + decode,
+        )
+        self._in_flight = job
+        self._executor.submit(job)
+
+    def _on_step_done(self, job: StepJob) -> None:
+        """A step came back from the thread (called on the loop)."""
+        self._in_flight = None
+        t0 = time.perf_counter_ns()
+        reqs: list[GenerationRequest] = job.tag
+        if job.error is not None:
+            self._step_failed(job, reqs)
+        else:
+            now = self._clock()
+            stats = self._stats
+            for req, out in zip(reqs, job.outputs, strict=True):
+                if out.finished and req.holds_slot:
+                    # The engine freed the slot when the sequence finished.
+                    req.holds_slot = False
+                    self._slots_held -= 1
+                    self._to_free.pop(req.id, None)
+                if req.state is not State.RUNNING:
+                    continue  # cancelled or expired while the step ran: nobody reads it
+                req.channel.push(out)
+                if out.finished:
+                    req.state = State.DONE
+                    del self._running[req.id]
+                    stats.success.add(int((now - req.arrival) * 1e9))
+                    self.prompt_tokens += out.prompt_tokens
+            n = len(job.outputs)
+            if n:
+                self.steps += 1
+                self.generated_tokens += n
+                self.step_batch_sizes[n] = self.step_batch_sizes.get(n, 0) + 1
+                stats.record_batch(n, n, 0, job.infer_ns, time.perf_counter_ns() - t0)
+        self._form_step()
+
+    def _step_failed(self, job: StepJob, reqs: list[GenerationRequest]) -> None:
+        # The engine gave the new sequences' slots back; the running ones
+        # still hold theirs and are freed at the next step.
+        log.warning("step of %d sequence(s) on '%s' failed: %r", len(reqs), self.label, job.error)
+        error = InternalError(f"model '{self.label}' failed: {job.error}")
+        for req in reqs[: len(job.new)]:
+            if req.holds_slot:
+                req.holds_slot = False
+                self._slots_held -= 1
+                self._to_free.pop(req.id, None)
+        for req in reqs:
+            if req.state is State.RUNNING:
+                self._end(req, error)
+            if not req.holds_slot:
+                self._to_free.pop(req.id, None)
+
+    def _arm_timer(self, wake_at: float | None) -> None:
+        self._disarm_timer()
+        if wake_at is not None:
+            self._timer = self._loop.call_later(max(0.0, wake_at - self._clock()), self._on_timer)
+
+    def _disarm_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._kick()
+
+    # --- shutdown -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Refuse new requests; end every waiting and running one as unavailable."""
+        self._closed = True
+        self._disarm_timer()
+        error = Unavailable(f"model '{self.label}' is unloading")
+        for req in [*self._waiting, *self._running.values()]:
+            self._end(req, error)
+        self._waiting.clear()
+
+    def statistics(self) -> dict[str, Any]:
+        """aserve's generation gauges and counters, for the model's statistics."""
+        return {
+            "waiting_sequence_count": self.waiting,
+            "running_sequence_count": self.running,
+            "paused_sequence_count": self.paused,
+            "kv_slots_in_use": self._slots_held,
+            "max_num_seqs": self.limits.max_num_seqs,
+            "step_count": self.steps,
+            "generated_tokens": self.generated_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "step_batch_sizes": {str(k): v for k, v in sorted(self.step_batch_sizes.items())},
+        }

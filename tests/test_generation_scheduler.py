@@ -1,0 +1,252 @@
+"""The continuous batcher: its pure step policy, its loop driver (with a fake step
+thread and clock), and the bounded token channel."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from aserve.config import GenerationConfig
+from aserve.engines.decoder import StepOutput
+from aserve.engines.step_executor import StepJob
+from aserve.errors import DeadlineExceeded, InternalError, QueueFull
+from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
+from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
+from aserve.stats import ModelStats
+from aserve.streaming.channel import TokenChannel
+
+LIMITS = StepLimits(max_num_seqs=4, max_prefill_tokens=100)
+
+
+# --- the pure policy -------------------------------------------------------------------
+
+
+def test_admits_by_deadline_while_slots_and_budget_allow() -> None:
+    waiting = [WaitingView(10, 40), WaitingView(11, 40), WaitingView(12, 40), WaitingView(13, 1)]
+    plan = plan_step(0, [RunningView(50, False)], waiting, 1, LIMITS)
+    # 40 + 40 fit the 100-token budget, the third would not: admission stops
+    # there, and the short fourth does not overtake it.
+    assert plan.admit == [0, 1] and plan.decode == [0] and plan.wake_at is None
+
+
+def test_first_admission_ignores_the_budget_and_slots_bound() -> None:
+    plan = plan_step(0, [], [WaitingView(10, 500), WaitingView(11, 1)], 0, LIMITS)
+    assert plan.admit == [0]  # a long prompt is never starved
+    full = plan_step(0, [RunningView(9, False)] * 4, [WaitingView(10, 1)], 4, LIMITS)
+    assert full.admit == [] and full.decode == [0, 1, 2, 3]
+
+
+def test_expired_leave_and_free_their_slots_first() -> None:
+    running = [RunningView(5, False), RunningView(50, False)]
+    waiting = [WaitingView(4, 3), WaitingView(20, 3)]
+    plan = plan_step(10, running, waiting, 4, LIMITS)
+    assert plan.expire_running == [0] and plan.decode == [1]
+    assert plan.expire_waiting == [0] and plan.admit == [1]  # into the expired one's slot
+
+
+def test_paused_sit_out_and_nothing_to_run_sleeps_until_a_deadline() -> None:
+    running = [RunningView(30, True), RunningView(20, True)]
+    plan = plan_step(0, running, [WaitingView(15, 3)], 4, LIMITS)
+    assert not plan.runs and plan.wake_at == 15  # no slot for the waiting one
+    assert plan_step(0, [], [], 0, LIMITS).wake_at is None
+
+
+# --- the loop driver ------------------------------------------------------------------------
+
+
+class FakeExecutor:
+    """Records submitted steps; the test answers them."""
+
+    def __init__(self) -> None:
+        self.jobs: list[StepJob] = []
+
+    def submit(self, job: StepJob) -> None:
+        self.jobs.append(job)
+
+    def answer(self, finished: set[Any] = frozenset(), error: Exception | None = None) -> StepJob:
+        """Complete the last step: one token per sequence, ``finished`` ones end."""
+        job = self.jobs[-1]
+        if error is not None:
+            job.error = error
+        else:
+            job.outputs = [
+                StepOutput(
+                    str(s), 7, f"<{s}>", s in finished, "length" if s in finished else None, 3, 1
+                )
+                for s in [*job.new, *job.running]
+            ]
+        job.on_done(job)
+        return job
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(**generation: Any) -> tuple[ContinuousBatcher, FakeExecutor, Clock, ModelStats]:
+    executor, clock, stats = FakeExecutor(), Clock(), ModelStats("m", "1")
+    config = GenerationConfig(**{"max_num_seqs": 2, "max_prefill_tokens": 100, **generation})
+    return ContinuousBatcher("m/1", config, executor, stats, clock), executor, clock, stats
+
+
+async def settle() -> None:
+    await asyncio.sleep(0)  # one pass of the loop: the batcher forms steps with call_soon
+
+
+async def test_steps_admit_decode_and_finish() -> None:
+    b, ex, _, stats = make()
+    a = b.submit("a", 10, 60)  # type: ignore[arg-type]  # the fake thread only needs identities
+    c = b.submit("c", 10, 50)  # type: ignore[arg-type]
+    d = b.submit("d", 10, 70)  # type: ignore[arg-type]
+    await settle()
+    assert len(ex.jobs) == 1 and ex.jobs[0].new == ["c", "a"]  # deadline order, 2 slots
+    assert (b.running, b.waiting, b.slots_held) == (2, 1, 2)
+    ex.answer(finished={"c"})
+    # c finished inside the step: its slot is free for d at once.
+    assert ex.jobs[1].new == ["d"] and ex.jobs[1].running == ["a"]
+    ex.answer(finished={"a", "d"})
+    assert len(ex.jobs) == 2 and b.idle and b.slots_held == 0
+    for req, want in ((a, "<a><a>"), (c, "<c>"), (d, "<d>")):
+        text, last = await req.collect()
+        assert text == want and last is not None and last.finish_reason == "length"
+    assert stats.success.count == 3 and b.step_batch_sizes == {2: 2}
+
+
+async def test_cancel_frees_the_slot_at_the_next_step() -> None:
+    b, ex, _, stats = make()
+    a = b.submit("a", 10, 60)  # type: ignore[arg-type]
+    x = b.submit("x", 10, 60)  # type: ignore[arg-type]
+    await settle()
+    ex.answer()
+    async with x:
+        pass  # leaving early cancels (the step with a and x is in flight)
+    assert b.running == 1 and stats.cancelled == 1
+    ex.answer()
+    # The output for x is dropped; the next step frees its slot and decodes a.
+    assert ex.jobs[-1].free == ["x"] and ex.jobs[-1].running == ["a"]
+    assert b.slots_held == 1
+    a.cancel()
+    ex.answer()
+    assert ex.jobs[-1].free == ["a"] and ex.jobs[-1].running == []
+    ex.answer()
+    assert b.idle and b.slots_held == 0
+
+
+async def test_cancel_while_waiting_and_queue_full() -> None:
+    b, ex, _, stats = make(max_num_seqs=1, max_queue_size=2)
+    b.submit("a", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    w = b.submit("w", 1, 60)  # type: ignore[arg-type]
+    b.submit("v", 1, 60)  # type: ignore[arg-type]
+    with pytest.raises(QueueFull, match="max_queue_size 2"):
+        b.submit("z", 1, 60)  # type: ignore[arg-type]
+    w.cancel()
+    assert b.waiting == 1 and stats.cancelled == 1 and stats.rejected["queue_full"] == 1
+    ex.answer(finished={"a"})
+    assert ex.jobs[-1].new == ["v"]
+
+
+async def test_a_slow_reader_pauses_only_its_own_sequence() -> None:
+    b, ex, _, _ = make(stream_buffer_chunks=2)
+    slow = b.submit("slow", 1, 60)  # type: ignore[arg-type]
+    fast = b.submit("fast", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    for _ in range(3):
+        ex.answer()
+        await anext(fast)  # the fast reader keeps up
+    # slow has 2 unread outputs: it sits out, the other goes on.
+    assert ex.jobs[-1].running == ["fast"] and slow.channel.paused and b.paused == 1
+    ex.answer()
+    await anext(fast)
+    assert slow.channel.backlog == 2
+    delta = await anext(slow)  # reading everything resumes it
+    assert delta.text == "<slow><slow>" and delta.token_ids == [7, 7]
+    ex.answer()
+    assert ex.jobs[-1].running == ["slow", "fast"] and b.paused == 0
+
+
+async def test_deadline_ends_a_paused_sequence_and_waiting_ones() -> None:
+    b, ex, clock, stats = make(max_num_seqs=1, stream_buffer_chunks=1)
+    r = b.submit("r", 1, 5)  # type: ignore[arg-type]
+    w = b.submit("w", 1, 3)  # type: ignore[arg-type]
+    await settle()
+    assert ex.jobs[-1].new == ["w"]  # the earlier deadline
+    ex.answer()  # w is now 1 output behind: paused; r waits for the slot
+    assert len(ex.jobs) == 1 and b._timer is not None
+    clock.now += 4  # w expires; r gets its slot
+    b._on_timer()
+    await settle()
+    assert ex.jobs[-1].free == ["w"] and ex.jobs[-1].new == ["r"]
+    text, _ = "", None
+    with pytest.raises(DeadlineExceeded, match="1 step\\(s\\) unread"):
+        async for delta in w:
+            text += delta.text
+    assert text == "<w>"  # what was produced comes first
+    clock.now += 2
+    ex.answer()
+    with pytest.raises(DeadlineExceeded):
+        await r.collect()
+    assert stats.timed_out == 2
+
+
+async def test_a_failed_step_fails_its_requests_and_frees_their_slots() -> None:
+    b, ex, _, stats = make()
+    a = b.submit("a", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    ex.answer()
+    n = b.submit("n", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    ex.answer()  # a decodes, n is admitted
+    ex.answer(error=RuntimeError("boom"))
+    for req in (a, n):
+        with pytest.raises(InternalError, match="boom"):
+            await req.collect()
+    # The engine freed n's slot when the step failed; a's goes back now.
+    assert ex.jobs[-1].free == ["a"] and stats.fail.count == 2
+    ex.answer()
+    assert b.idle and b.slots_held == 0
+
+
+async def test_close_ends_everything() -> None:
+    b, _, _, _ = make(max_num_seqs=1)
+    reqs: list[GenerationRequest] = [b.submit(s, 1, 60) for s in ("a", "b")]  # type: ignore[arg-type]
+    await settle()
+    b.close()
+    for req in reqs:
+        with pytest.raises(Exception, match="unloading"):
+            await req.collect()
+
+
+# --- the channel --------------------------------------------------------------------------
+
+
+async def test_channel_merges_what_is_buffered_and_is_bounded() -> None:
+    resumed = []
+    ch = TokenChannel(3, on_resume=lambda: resumed.append(1))
+    outs = [
+        StepOutput("r", i, t, i == 3, "stop" if i == 3 else None, 2, i + 1)
+        for i, t in enumerate("abcd")
+    ]
+    for o in outs[:3]:
+        ch.push(o)
+    assert ch.full and ch.backlog == 3
+    ch.paused = True
+    first = await anext(ch)
+    assert (first.text, first.token_ids, first.completion_tokens) == ("abc", [0, 1, 2], 3)
+    assert resumed == [1] and not ch.paused
+    reader = asyncio.ensure_future(anext(ch))
+    await asyncio.sleep(0)
+    assert not reader.done()  # waits for the next output
+    ch.push(outs[3])
+    last = await reader
+    assert last.finished and last.finish_reason == "stop" and last.text == "d"
+    with pytest.raises(StopAsyncIteration):
+        await anext(ch)
+    ch.push(outs[0])  # nothing is accepted after the last output
+    assert ch.backlog == 0
