@@ -204,3 +204,24 @@ def grpc_client(server: ServerProcess) -> Iterator[Any]:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="session")
+def decoder_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tiny LMs the decoder server serves (see tests/gen_helpers.py)."""
+    from gen_helpers import build_decoder_models
+
+    root = tmp_path_factory.mktemp("decoder")
+    return build_decoder_models(root, tmp_path_factory.getbasetemp() / "lms")
+
+
+@pytest.fixture(scope="session")
+def decoder_server(
+    decoder_models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A server with the decoder models (gpt2, llama, gpt2-eos), HTTP and gRPC."""
+    folder = tmp_path_factory.mktemp("decoder-server")
+    config = {"grpc": {"port": 0}, "models": decoder_models["models"]}
+    srv = start_server(write_config(folder, config))
+    yield srv
+    srv.stop()

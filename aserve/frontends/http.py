@@ -110,6 +110,9 @@ class HttpFrontend:
             route("GET", base + "/ready", self._model_ready)
             route("GET", base + "/stats", self._stats)
             route("POST", base + "/infer", self._infer)
+        from aserve.frontends.generate import add_generation_routes  # it imports this module
+
+        add_generation_routes(route, self._server)  # OpenAI API, Triton generate
         from aserve.frontends.http_admin import add_admin_routes  # it imports this module
 
         add_admin_routes(route, self._server)

@@ -1,4 +1,4 @@
-"""Token channels from executor threads to the loop, and their HTTP/gRPC adapters.
-
-Empty until generative models land: unary inference does not stream.
+"""Token streaming: bounded per-request channels filled on the loop from the
+engine's steps (channel.py), and the server-sent-events framing (sse.py).
+The gRPC stream adapters live with the gRPC frontend (frontends/grpc_generate.py).
 """

@@ -1,0 +1,437 @@
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions.
+
+Handlers run on the loop. Every check that can fail (the body, each field,
+the model, tokenizing the prompt, admission) runs before the first byte, and
+a failure answers ``{"error": {"message", "type", "param", "code"}}`` with
+the status of :data:`aserve.frontends.status.HTTP_STATUS` (``param`` names
+the field). Deterministic refusals carry ``x-should-retry: false``, so the
+SDK does not send them again.
+
+With ``"stream": true`` the answer is server-sent events: chunks, then (with
+``stream_options.include_usage``) one chunk with ``"choices": []`` and the
+usage, then ``data: [DONE]``, and the response ends. A failure after the
+stream started is sent as ``data: {"error": {...}}`` and the stream ends.
+A client that goes away (or whose request is cancelled) cancels its
+sequence, which leaves the batch at the next step.
+
+Supported: one choice per request (``n`` 1) and one prompt per completion
+request; ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
+``top_p``, ``seed``, ``stop`` (at most 4), and vLLM's extensions ``top_k``
+and ``ignore_eos``. Penalties, ``logit_bias`` and ``user`` are accepted and
+ignored; ``logprobs``, ``echo``, ``suffix``, ``best_of`` > 1, tools and
+structured ``response_format`` are refused with 400.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from aserve.engines.decoder import SamplingParams
+from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
+from aserve.frontends.generate import Route, header_timeout, read_json_object, usage
+from aserve.frontends.status import HTTP_STATUS
+from aserve.loop.generation import GenerationRuntime, generation_runtime
+from aserve.streaming.channel import Delta
+from aserve.streaming.sse import DONE, SseResponse
+
+if TYPE_CHECKING:
+    from aserve.loop.runtime import Server
+    from aserve.scheduler.continuous import GenerationRequest
+
+_TYPES = {
+    ErrorCode.INVALID_ARGUMENT: "invalid_request_error",
+    ErrorCode.NOT_FOUND: "invalid_request_error",
+    ErrorCode.TOO_LARGE: "invalid_request_error",
+    ErrorCode.QUEUE_FULL: "rate_limit_error",
+    ErrorCode.UNAVAILABLE: "server_overloaded",
+    ErrorCode.DEADLINE_EXCEEDED: "timeout_error",
+    ErrorCode.CANCELLED: "cancelled",
+    ErrorCode.UNIMPLEMENTED: "invalid_request_error",
+    ErrorCode.INTERNAL: "internal_server_error",
+}
+_RETRYABLE = (ErrorCode.QUEUE_FULL, ErrorCode.UNAVAILABLE)
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_MAX_STOP = 4
+# Engine messages start with the field they are about: "max_tokens: ...", "messages[0]: ...".
+_FIELD_PREFIX = re.compile(r"^([a-z_]+)(?:\[\d+\])?[: ]")
+_FIELDS = frozenset(
+    {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+)
+
+
+class FieldError(InvalidArgument):
+    """A request field is wrong; ``param`` names it, as OpenAI's errors do."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message if message.startswith(param) else f"{param}: {message}")
+        self.param = param
+
+
+def error_doc(error: AserveError) -> dict[str, Any]:
+    param = getattr(error, "param", None)
+    if param is None and error.code is ErrorCode.INVALID_ARGUMENT:
+        m = _FIELD_PREFIX.match(error.message)
+        if m and m.group(1) in _FIELDS:
+            param = m.group(1)
+    code: str | None = error.code.value
+    if isinstance(error, NotFound):
+        code, param = "model_not_found", "model"
+    return {
+        "error": {
+            "message": error.message,
+            "type": _TYPES[error.code],
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(error: AserveError) -> web.Response:
+    headers = {} if error.code in _RETRYABLE else {"x-should-retry": "false"}
+    if error.code is ErrorCode.QUEUE_FULL:
+        headers["Retry-After"] = "1"
+    return web.Response(
+        status=HTTP_STATUS[error.code],
+        body=orjson.dumps(error_doc(error)),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def _json(doc: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(doc), content_type="application/json")
+
+
+class OpenAIApi:
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    def add_routes(self, route: Route) -> None:
+        route("GET", "/v1/models", self.list_models)
+        route("GET", "/v1/models/{model}", self.get_model)
+        route("POST", "/v1/completions", self.completions)
+        route("POST", "/v1/chat/completions", self.chat_completions)
+
+    # --- models -----------------------------------------------------------------
+
+    def _models(self) -> dict[str, GenerationRuntime]:
+        latest: dict[str, GenerationRuntime] = {}
+        for rt in self._server.registry:
+            if isinstance(rt, GenerationRuntime):
+                have = latest.get(rt.name)
+                if have is None or int(rt.version) > int(have.version):
+                    latest[rt.name] = rt
+        return latest
+
+    @staticmethod
+    def _model_doc(rt: GenerationRuntime) -> dict[str, Any]:
+        return {
+            "id": rt.name,
+            "object": "model",
+            "created": rt.created,
+            "owned_by": "aserve",
+            "max_model_len": rt.generation.max_model_len,
+        }
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        models = sorted(self._models().items())
+        return _json({"object": "list", "data": [self._model_doc(rt) for _, rt in models]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        rt = self._models().get(name)
+        if rt is None:
+            return error_response(NotFound(f"The model '{name}' does not exist"))
+        return _json(self._model_doc(rt))
+
+    # --- completions ------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await read_json_object(request)
+            parsed = _parse(body, chat)
+            model = body["model"]
+            try:
+                runtime = generation_runtime(self._server.registry, model)
+            except NotFound:
+                raise NotFound(f"The model '{model}' does not exist") from None
+            except InvalidArgument as exc:
+                raise FieldError("model", exc.message) from None
+            seq = await runtime.prepare(
+                parsed.params, prompt=parsed.prompt, messages=parsed.messages
+            )
+            req = runtime.generate(seq, header_timeout(request))
+        except AserveError as exc:
+            return error_response(exc)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        head = {
+            "id": prefix + uuid.uuid4().hex,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+        async with req:
+            if not parsed.stream:
+                return await _whole(req, head, chat)
+            return await _stream(request, req, head, chat, parsed.include_usage)
+
+
+async def _whole(req: GenerationRequest, head: dict[str, Any], chat: bool) -> web.Response:
+    try:
+        text, last = await req.collect()
+    except AserveError as exc:
+        return error_response(exc)
+    reason = last.finish_reason if last else None
+    if chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": reason,
+        }
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+    return _json({**head, "choices": [choice], "usage": usage(last)})
+
+
+async def _stream(
+    request: web.Request,
+    req: GenerationRequest,
+    head: dict[str, Any],
+    chat: bool,
+    include_usage: bool,
+) -> web.StreamResponse:
+    head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    if include_usage:
+        head["usage"] = None
+
+    def chunk(piece: str | None, reason: str | None) -> dict[str, Any]:
+        if chat:
+            delta = {} if piece is None else {"content": piece}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
+        return {**head, "choices": [choice]}
+
+    sse = SseResponse(request)
+    last: Delta | None = None
+    try:
+        await sse.start()
+        if chat:
+            first = chunk("", None)
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            await sse.send(first)
+        async for delta in req:
+            last = delta
+            if chat:
+                if delta.text:
+                    await sse.send(chunk(delta.text, None))
+                if delta.finished:
+                    await sse.send(chunk(None, delta.finish_reason))
+            elif delta.text or delta.finished:
+                await sse.send(chunk(delta.text, delta.finish_reason))
+        if include_usage:
+            await sse.send({**head, "choices": [], "usage": usage(last)})
+        return await sse.finish(DONE)
+    except AserveError as exc:
+        return await sse.fail(error_doc(exc))
+    except ConnectionError:
+        return sse.response  # the client went away; leaving cancels the sequence
+
+
+# --- request parsing -------------------------------------------------------------------
+
+
+class _Parsed:
+    __slots__ = ("include_usage", "messages", "params", "prompt", "stream")
+
+    def __init__(self) -> None:
+        self.prompt: str | list[int] | None = None
+        self.messages: list[dict[str, Any]] | None = None
+        self.params = SamplingParams()
+        self.stream = False
+        self.include_usage = False
+
+
+def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
+    """Validate the fields in OpenAI's terms; every error names its field."""
+    out = _Parsed()
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise FieldError("model", "is required (a model name from /v1/models)")
+    if chat:
+        out.messages = _messages(body.get("messages"))
+    else:
+        out.prompt = _prompt(body.get("prompt"))
+
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise FieldError("stream", f"must be true or false (got {stream!r})")
+    out.stream = bool(stream)
+    options = body.get("stream_options")
+    if options is not None:
+        if not out.stream:
+            raise FieldError("stream_options", "is only allowed when stream is true")
+        if not isinstance(options, dict):
+            raise FieldError("stream_options", "must be an object")
+        include = options.get("include_usage", False)
+        if not isinstance(include, bool):
+            raise FieldError("stream_options", "include_usage must be true or false")
+        out.include_usage = include
+
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise FieldError("n", f"only 1 choice per request is supported (got {n!r})")
+    _refuse(body, chat)
+
+    kw: dict[str, Any] = {}
+    limit = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        limit = "max_completion_tokens"
+    if (v := body.get(limit)) is not None:
+        if not _is_int(v) or v < 1:
+            raise FieldError(limit, f"must be an integer >= 1 (got {v!r})")
+        kw["max_tokens"] = v
+    if (v := body.get("temperature")) is not None:
+        if not _is_number(v) or not 0 <= v <= 2:
+            raise FieldError("temperature", f"must be a number from 0 to 2 (got {v!r})")
+        kw["temperature"] = float(v)
+    if (v := body.get("top_p")) is not None:
+        if not _is_number(v) or not 0 < v <= 1:
+            raise FieldError("top_p", f"must be a number in (0, 1] (got {v!r})")
+        kw["top_p"] = float(v)
+    if (v := body.get("top_k")) is not None:
+        if not _is_int(v) or v < -1:
+            raise FieldError("top_k", f"must be an integer >= -1, -1 or 0 for no limit (got {v!r})")
+        kw["top_k"] = max(v, 0)
+    if (v := body.get("seed")) is not None:
+        if not _is_int(v):
+            raise FieldError("seed", f"must be an integer (got {v!r})")
+        kw["seed"] = v % 2**64
+    if (v := body.get("stop")) is not None:
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise FieldError("stop", "must be a non-empty string or a list of them")
+        if len(stops) > _MAX_STOP:
+            raise FieldError("stop", f"at most {_MAX_STOP} stop sequences (got {len(stops)})")
+        kw["stop"] = tuple(stops)
+    if (v := body.get("ignore_eos")) is not None:
+        if not isinstance(v, bool):
+            raise FieldError("ignore_eos", f"must be true or false (got {v!r})")
+        kw["ignore_eos"] = v
+    for name in ("presence_penalty", "frequency_penalty"):
+        if (v := body.get(name)) is not None and (not _is_number(v) or not -2 <= v <= 2):
+            raise FieldError(name, f"must be a number from -2 to 2 (got {v!r})")
+    out.params = SamplingParams(**kw)
+    return out
+
+
+def _refuse(body: dict[str, Any], chat: bool) -> None:
+    """Features aserve does not offer: refused rather than silently ignored."""
+    if chat:
+        if body.get("logprobs"):
+            raise FieldError("logprobs", "log probabilities are not supported")
+        if body.get("top_logprobs") is not None:
+            raise FieldError("top_logprobs", "log probabilities are not supported")
+        for name in ("tools", "functions"):
+            if body.get(name):
+                raise FieldError(name, "tool calling is not supported")
+        for name in ("tool_choice", "function_call"):
+            if body.get(name) not in (None, "none"):
+                raise FieldError(name, "tool calling is not supported")
+        if body.get("parallel_tool_calls") is not None:
+            raise FieldError("parallel_tool_calls", "tool calling is not supported")
+        fmt = body.get("response_format")
+        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+            raise FieldError("response_format", "only {'type': 'text'} is supported")
+        return
+    if body.get("logprobs") is not None:
+        raise FieldError("logprobs", "log probabilities are not supported")
+    if body.get("echo"):
+        raise FieldError("echo", "echoing the prompt is not supported")
+    if body.get("suffix"):
+        raise FieldError("suffix", "suffixes (insertion) are not supported")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise FieldError("best_of", f"only 1 is supported (got {best_of!r})")
+
+
+def _prompt(value: Any) -> str | list[int]:
+    """One prompt: a string, or token ids; a list of one of those is that one."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        return value
+    if (
+        isinstance(value, list)
+        and len(value) > 1
+        and all(isinstance(p, (str, list)) for p in value)
+    ):
+        raise FieldError(
+            "prompt", f"one prompt per request is supported (got {len(value)}); send one each"
+        )
+    if value is None:
+        raise FieldError("prompt", "is required")
+    raise FieldError("prompt", "must be a string, a list of token ids, or a list of one of those")
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise FieldError("messages", "must be a non-empty list of messages")
+    out = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise FieldError("messages", f"{where} must be an object")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise FieldError(
+                "messages", f"{where}.role must be one of {', '.join(_ROLES)} (got {role!r})"
+            )
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise FieldError(
+                        "messages",
+                        f"{where}.content[{j}]: only text parts are supported (got {kind!r})",
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None:
+            if role != "assistant":
+                raise FieldError("messages", f"{where}.content is required")
+            content = ""
+        elif not isinstance(content, str):
+            raise FieldError(
+                "messages", f"{where}.content must be a string or a list of text parts"
+            )
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

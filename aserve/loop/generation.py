@@ -1,0 +1,292 @@
+"""One served decoder model (``"engine": "decoder"``): engine, step thread, continuous batcher.
+
+The generative counterpart of :class:`aserve.loop.model.ModelRuntime`: the
+same registry, readiness, statistics and unload, but requests are sequences
+that stream tokens. A frontend turns its wire request into a prompt and
+:class:`SamplingParams`, then
+
+    seq = await runtime.prepare(prompt=..., params=...)   # tokenize, validate
+    req = runtime.generate(seq, timeout_s)                 # admitted or refused at once
+    async with req:                                        # leaving early cancels it
+        async for delta in req: ...
+
+For KServe clients the model also answers ``/infer`` and ``ModelInfer``
+(``text_input`` BYTES [1] -> ``text_output`` BYTES [1], sampling settings as
+request parameters) with the whole generated text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aserve.codecs.sampling import sampling_from_parameters
+from aserve.config import ModelConfig, TensorSpec
+from aserve.engines.decoder import DecoderEngine, SamplingParams, Tokenizer
+from aserve.engines.decoder import Sequence as EngineSequence
+from aserve.engines.step_executor import StepExecutor
+from aserve.errors import InvalidArgument, Unavailable
+from aserve.loop.model import ModelState
+from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
+from aserve.stats import ModelStats
+
+if TYPE_CHECKING:
+    from aserve.loop.registry import ModelRegistry
+
+log = logging.getLogger("aserve.model")
+
+PLATFORM = "aserve_decoder"
+BACKEND = "aserve_decoder"
+TEXT_INPUT = "text_input"
+TEXT_OUTPUT = "text_output"
+_DRAIN_POLL_S = 0.02
+# Longer prompts are tokenized (and chats rendered) in a worker thread, not on the loop.
+_INLINE_PROMPT_CHARS = 2048
+
+
+class GenerationRuntime:
+    """A decoder model version; its request path runs on the loop."""
+
+    def __init__(self, config: ModelConfig, base_dir: Path) -> None:
+        self.config = config
+        self.name = config.name
+        self.version = config.version
+        self.label = f"{config.name}/{config.version}"
+        self.state = ModelState.LOADING
+        self.stats = ModelStats(config.name, config.version)
+        self.generation = config.generation
+        self.default_timeout_s = config.generation.timeout_ms / 1000.0
+        self.created = int(time.time())
+        # What the KServe codecs see: one string in, one string out, no batching
+        # (the shape of text_input is [1], as Triton's LLM backends declare it).
+        self.input_specs = {TEXT_INPUT: TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=[])}
+        self.output_specs = {TEXT_OUTPUT: TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=[])}
+        self.max_batch_size = 1
+        self.variable_shapes = False
+        self._base_dir = base_dir
+        self._engine: DecoderEngine | None = None
+        self._executor: StepExecutor | None = None
+        self.batcher: ContinuousBatcher | None = None
+        self._preparing = 0  # requests tokenizing in a worker thread
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ModelState.READY
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        assert self._engine is not None
+        return self._engine.tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer.has_chat_template
+
+    async def load(self) -> None:
+        """Load weights and tokenizer, start the step thread; READY afterwards."""
+        t0 = time.perf_counter()
+        c = self.config
+        assert c.path is not None  # the config requires one for a decoder model
+        path = (self._base_dir / c.path).resolve()
+        engine = DecoderEngine(path, c.generation, c.device, c.dtype, c.cpu_threads)
+        await asyncio.to_thread(engine.load)
+        self._engine = engine
+        self._executor = StepExecutor(engine, self.name)
+        await self._executor.start()
+        self.batcher = ContinuousBatcher(self.label, c.generation, self._executor, self.stats)
+        self.state = ModelState.READY
+        log.info(
+            "model %s loaded from %s on %s (decoder, %d slots x %d tokens, %.2fs)",
+            self.label, path, c.device, c.generation.max_num_seqs,
+            c.generation.max_model_len, time.perf_counter() - t0,
+        )  # fmt: skip
+
+    # --- requests ---------------------------------------------------------------
+
+    async def prepare(
+        self,
+        params: SamplingParams,
+        prompt: str | list[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        client_id: str | None = None,
+    ) -> EngineSequence:
+        """Tokenize ``prompt`` (or render ``messages`` with the chat template) and
+        validate the request; :class:`InvalidArgument` names what is wrong.
+
+        Nothing is queued yet. Short prompts are handled right here; long ones
+        in a worker thread so that the loop is not held up.
+        """
+        if self._engine is None or self.state is not ModelState.READY:
+            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+        size = (
+            len(prompt)
+            if prompt is not None
+            else sum(len(str(m.get("content", ""))) for m in messages or ())
+        )
+        if size <= _INLINE_PROMPT_CHARS:
+            return self._prepare(params, prompt, messages, client_id)
+        self._preparing += 1  # busy: a drain waits for it to be queued
+        try:
+            return await asyncio.to_thread(self._prepare, params, prompt, messages, client_id)
+        finally:
+            self._preparing -= 1
+
+    def _prepare(
+        self,
+        params: SamplingParams,
+        prompt: str | list[int] | None,
+        messages: Sequence[Mapping[str, Any]] | None,
+        client_id: str | None,
+    ) -> EngineSequence:
+        assert self._engine is not None
+        if messages is not None:
+            tok = self._engine.tokenizer
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            # A model's own template writes its special tokens (BOS); the
+            # plain default format has none, so the tokenizer adds them.
+            prompt = tok.encode(text, add_special_tokens=not tok.has_chat_template)
+        if prompt is None:
+            raise InvalidArgument("prompt: is required")
+        return self._engine.new_sequence(client_id or "", prompt, params)
+
+    def generate(
+        self, sequence: EngineSequence, timeout_s: float | None = None, client_id: str | None = None
+    ) -> GenerationRequest:
+        """Queue a prepared sequence: its stream, or a refusal at once
+        (QueueFull when ``generation.max_queue_size`` are waiting, Unavailable
+        when the model is not ready)."""
+        if self.state is not ModelState.READY or self.batcher is None:
+            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        return self.batcher.submit(sequence, len(sequence.prompt_ids), timeout, client_id)
+
+    async def infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        batch_size: int,
+        shape_key: tuple[Any, ...],
+        timeout_s: float,
+        client_id: str | None = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """KServe inference: the whole generation for ``text_input`` as ``text_output``."""
+        params = sampling_from_parameters(parameters)
+        seq = await self.prepare(params, prompt=text_input(inputs), client_id=client_id)
+        async with self.generate(seq, timeout_s, client_id) as req:
+            text, _ = await req.collect()
+        return {TEXT_OUTPUT: text_tensor(text)}
+
+    # --- state seen by others -----------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self._preparing > 0 or (self.batcher is not None and not self.batcher.idle)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no sequence is waiting or running (True), or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        while self.busy:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return True
+
+    @staticmethod
+    def reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
+        """A decoder model takes no settings in place: any change reloads it."""
+        return old == new
+
+    def metadata(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "versions": [self.version],
+            "platform": PLATFORM,
+            "inputs": [{"name": TEXT_INPUT, "datatype": "BYTES", "shape": [1]}],
+            "outputs": [{"name": TEXT_OUTPUT, "datatype": "BYTES", "shape": [1]}],
+        }
+
+    def triton_config(self) -> dict[str, Any]:
+        """Triton's ModelConfig of an LLM backend: no batch dimension, decoupled."""
+        c, g = self.config, self.config.generation
+        group: dict[str, Any] = {"name": self.name, "count": 1}
+        if c.device == "cpu":
+            group["kind"] = "KIND_CPU"
+        else:
+            group["kind"] = "KIND_GPU"
+            group["gpus"] = [int(c.device.partition(":")[2] or 0)]
+        settings = {
+            "version": self.version,
+            "device": c.device,
+            "dtype": c.dtype,
+            "cpu_threads": c.cpu_threads,
+            **g.model_dump(),
+        }
+        return {
+            "name": self.name,
+            "platform": PLATFORM,
+            "backend": BACKEND,
+            "max_batch_size": 0,
+            "input": [{"name": TEXT_INPUT, "data_type": "TYPE_STRING", "dims": [1]}],
+            "output": [{"name": TEXT_OUTPUT, "data_type": "TYPE_STRING", "dims": [1]}],
+            "instance_group": [group],
+            "model_transaction_policy": {"decoupled": True},
+            "parameters": {k: {"string_value": str(v)} for k, v in settings.items()},
+        }
+
+    def statistics(self) -> dict[str, Any]:
+        """Triton's statistics, where an execution is one engine step of
+        ``batch_size`` sequences; ``generation`` holds aserve's own gauges."""
+        b = self.batcher
+        doc = self.stats.as_dict(b.waiting if b else 0, int(b.step_in_flight) if b else 0)
+        if b is not None:
+            doc["generation"] = b.statistics()
+        return doc
+
+    async def unload(self) -> None:
+        """Refuse new work, end what is queued or running, stop the thread, free the model."""
+        self.state = ModelState.UNLOADING
+        if self.batcher is not None:
+            self.batcher.close()
+        if self._executor is not None:
+            await self._executor.stop()
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.unload)
+        self.state = ModelState.UNAVAILABLE
+
+
+def generation_runtime(
+    registry: ModelRegistry, name: str, version: str | None = None
+) -> GenerationRuntime:
+    """The decoder model ``name``: NotFound if unknown, InvalidArgument if it does not generate."""
+    runtime = registry.get(name, version or None)
+    if not isinstance(runtime, GenerationRuntime):
+        raise InvalidArgument(
+            f"model '{runtime.label}' does not generate text (engine "
+            f"'{runtime.config.engine}'); use /v2/models/{runtime.name}/infer"
+        )
+    return runtime
+
+
+def text_input(inputs: Mapping[str, np.ndarray]) -> str:
+    """The prompt of a KServe request: the one element of ``text_input``, as UTF-8."""
+    arr = inputs[TEXT_INPUT]
+    if arr.size != 1:
+        raise InvalidArgument(f"input '{TEXT_INPUT}' must hold exactly one string (got {arr.size})")
+    value = arr.reshape(-1)[0]
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"input '{TEXT_INPUT}' is not valid UTF-8") from None
+
+
+def text_tensor(text: str) -> np.ndarray:
+    """``text_output`` for a KServe answer: BYTES of shape [1]."""
+    out = np.empty(1, dtype=object)
+    out[0] = text.encode("utf-8")
+    return out

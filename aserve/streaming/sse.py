@@ -1,0 +1,67 @@
+"""Server-sent events over aiohttp: the framing both HTTP streaming APIs use.
+
+Every event is ``data: <one-line JSON>\\n\\n``. OpenAI streams end with
+``data: [DONE]``; Triton's ``generate_stream`` just ends. The response is
+finished (``write_eof``) right after the last event, never held open: the
+OpenAI SDK 1.x reads until EOF after ``[DONE]``.
+
+Nothing here decides status codes: a handler runs every check that can fail
+*before* :meth:`SseResponse.start`; after it, failures travel as an event
+(see :meth:`SseResponse.fail`). Writes wait for the socket (aiohttp drains
+its buffer), so a slow client stops the handler from reading its token
+channel, which is what pauses its sequence (see
+:mod:`aserve.streaming.channel`). A client that has gone shows up as the
+handler's cancellation (or as ``ConnectionError`` from a write), and leaving
+the handler cancels the generation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+DONE = b"data: [DONE]\n\n"
+HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # proxies (nginx) must not buffer the stream
+}
+
+
+def event(doc: Any) -> bytes:
+    """One SSE event carrying ``doc`` as JSON."""
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+class SseResponse:
+    """An ``text/event-stream`` response, written event by event."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response = web.StreamResponse(status=200, headers=HEADERS)
+        self.started = False
+
+    async def start(self) -> None:
+        """Send the status and headers: from here on the status is 200."""
+        self.response.enable_chunked_encoding()
+        await self.response.prepare(self._request)
+        self.started = True
+
+    async def send(self, doc: Any) -> None:
+        await self.response.write(event(doc))
+
+    async def send_raw(self, data: bytes) -> None:
+        await self.response.write(data)
+
+    async def finish(self, last: bytes = b"") -> web.StreamResponse:
+        """Write ``last`` (e.g. :data:`DONE`) and end the body."""
+        if last:
+            await self.response.write(last)
+        await self.response.write_eof()
+        return self.response
+
+    async def fail(self, error_doc: Any) -> web.StreamResponse:
+        """A failure after the stream started: one error event, then the end."""
+        return await self.finish(event(error_doc))
