@@ -29,13 +29,16 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from aserve import __version__
+from aserve._proto import aserve_pb2_grpc, model_config_pb2
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
-from aserve._proto import model_config_pb2
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
 from aserve.errors import AserveError, InternalError
+from aserve.frontends.grpc_generate import SERVICE_NAME as GENERATION_SERVICE
+from aserve.frontends.grpc_generate import GenerationServicer, answer_decoupled
 from aserve.frontends.grpc_health import REFLECTED_SERVICES, Health, reflection_pool
 from aserve.frontends.status import GRPC_STATUS
+from aserve.loop.generation import GenerationRuntime
 
 if TYPE_CHECKING:
     from aserve.loop.model import ModelRuntime
@@ -217,24 +220,33 @@ class _Stream:
     may leave out of order; each carries its request's id. When the client
     half-closes, the requests in flight are answered and the call ends OK.
     When the call is cancelled, every request still in flight is cancelled
-    and leaves its queue.
+    and leaves its queue. A request to a decoder model is answered as it
+    generates (decoupled: a response per piece of text, see
+    :func:`aserve.frontends.grpc_generate.answer_decoupled`).
     """
 
     def __init__(self, servicer: InferenceServicer, context: grpc.aio.ServicerContext) -> None:
         self._servicer = servicer
         self._context = context
-        # One entry per request: its responses (two with an empty final one).
-        self._outbox: asyncio.Queue[list[pb.ModelStreamInferResponse] | None] = asyncio.Queue()
+        # A request's responses (two with an empty final one), and for one that is
+        # not its last (decoupled), a future set once written; None ends the call.
+        self._outbox: asyncio.Queue[
+            tuple[list[pb.ModelStreamInferResponse], asyncio.Future[None] | None] | None
+        ] = asyncio.Queue()
         self._slots = asyncio.Semaphore(STREAM_MAX_IN_FLIGHT)
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self, requests: AsyncIterator[pb.ModelInferRequest]) -> None:
         reader = asyncio.create_task(self._read(requests), name="grpc-stream-reader")
         try:
-            while (messages := await self._outbox.get()) is not None:
+            while (entry := await self._outbox.get()) is not None:
+                messages, written = entry
                 for message in messages:
                     await self._context.write(message)
-                self._slots.release()
+                if written is None:
+                    self._slots.release()  # the request's last answer
+                elif not written.done():
+                    written.set_result(None)
             await reader  # re-raises whatever ended the reading early
         finally:
             reader.cancel()
@@ -254,7 +266,23 @@ class _Stream:
         finally:
             self._outbox.put_nowait(None)
 
+    def send_final(self, messages: list[pb.ModelStreamInferResponse]) -> None:
+        self._outbox.put_nowait((messages, None))
+
+    async def send_partial(self, messages: list[pb.ModelStreamInferResponse]) -> None:
+        # Waiting for the write bounds what a decoupled request queues here.
+        written = asyncio.get_running_loop().create_future()
+        self._outbox.put_nowait((messages, written))
+        await written
+
     async def _answer(self, request: pb.ModelInferRequest) -> None:
+        try:
+            runtime = self._servicer._runtime(request.model_name, request.model_version)
+        except AserveError:
+            runtime = None  # _infer answers the error
+        if isinstance(runtime, GenerationRuntime):
+            await answer_decoupled(self, runtime, request, self._context.time_remaining())
+            return
         try:
             response = await self._servicer._infer(request, self._context.time_remaining())
         except Exception as exc:  # CancelledError propagates: the stream is going away
@@ -263,7 +291,7 @@ class _Stream:
                 model_name=request.model_name, model_version=request.model_version, id=request.id
             )
             failed.parameters[_FINAL].bool_param = True
-            self._outbox.put_nowait(
+            self.send_final(
                 [pb.ModelStreamInferResponse(error_message=error.message, infer_response=failed)]
             )
             return
@@ -276,7 +304,7 @@ class _Stream:
             )
             final.parameters[_FINAL].bool_param = True
             messages.append(pb.ModelStreamInferResponse(infer_response=final))
-        self._outbox.put_nowait(messages)
+        self.send_final(messages)
 
 
 def _bool_parameter(request: pb.ModelInferRequest, key: str) -> bool:
@@ -321,8 +349,13 @@ class GrpcFrontend:
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceServicer(self._server, self), server
         )
+        aserve_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self._server, self), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
-        reflection.enable_server_reflection(REFLECTED_SERVICES, server, pool=reflection_pool())
+        reflection.enable_server_reflection(
+            (*REFLECTED_SERVICES, GENERATION_SERVICE), server, pool=reflection_pool()
+        )
         await self.health.update(False, self._server.registry)
         host = self._config.host
         address = f"[{host}]:{self._config.port}" if ":" in host else f"{host}:{self._config.port}"

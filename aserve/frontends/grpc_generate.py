@@ -1,0 +1,230 @@
+"""Token streaming over gRPC: ``aserve.v1.Generation/Generate`` and decoupled
+``ModelStreamInfer`` responses for decoder models.
+
+Both run on the loop, in grpc.aio's handler tasks. Every check that can fail
+runs before the first message. When the client cancels (or its deadline
+passes), grpc.aio cancels the handler; leaving the ``async with`` of the
+generation then cancels the sequence, which leaves the batch at the next step.
+
+Writes wait for HTTP/2 flow control, so a client that reads slowly stops the
+handler from reading the token channel, and its sequence is paused (see
+:mod:`aserve.streaming.channel`) instead of buffering without bound.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+
+from aserve._proto import aserve_pb2 as apb
+from aserve._proto import aserve_pb2_grpc as apb_grpc
+from aserve._proto import grpc_service_pb2 as pb
+from aserve.codecs.sampling import sampling_from_parameters
+from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
+from aserve.engines.decoder import SamplingParams
+from aserve.errors import AserveError, InternalError, InvalidArgument
+from aserve.frontends.status import GRPC_STATUS
+from aserve.loop.generation import (
+    TEXT_OUTPUT,
+    GenerationRuntime,
+    generation_runtime,
+    text_input,
+    text_tensor,
+)
+from aserve.streaming.channel import Delta
+
+if TYPE_CHECKING:
+    from aserve.frontends.grpc import GrpcFrontend
+    from aserve.loop.runtime import Server
+
+log = logging.getLogger("aserve.grpc")
+
+SERVICE_NAME = "aserve.v1.Generation"
+_FINAL = "triton_final_response"
+_EMPTY_FINAL = "triton_enable_empty_final_response"
+_FINISH = {
+    None: apb.FINISH_REASON_UNSPECIFIED,
+    "stop": apb.FINISH_REASON_STOP,
+    "length": apb.FINISH_REASON_LENGTH,
+}
+
+
+def _as_error(exc: Exception, what: str) -> AserveError:
+    if isinstance(exc, AserveError):
+        return exc
+    log.exception("%s failed unexpectedly", what)
+    return InternalError(f"internal error: {exc!r}")
+
+
+def _timeout(timeout_s: float | None, call_remaining: float | None) -> float | None:
+    """The sooner of the request's own timeout and the call's deadline."""
+    if call_remaining is None:
+        return timeout_s
+    return call_remaining if timeout_s is None else min(timeout_s, call_remaining)
+
+
+class GenerationServicer(apb_grpc.GenerationServicer):
+    """``aserve.v1.Generation``: server-streaming generation."""
+
+    def __init__(self, server: Server, frontend: GrpcFrontend) -> None:
+        self._server = server
+        self._frontend = frontend
+
+    async def Generate(
+        self, request: apb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[apb.GenerateResponse]:
+        with self._frontend.serving():
+            try:
+                runtime = generation_runtime(
+                    self._server.registry, request.model_name, request.model_version
+                )
+                prompt, messages = _prompt(request)
+                seq = await runtime.prepare(
+                    _sampling(request.sampling), prompt, messages, request.id or None
+                )
+                own = request.timeout_ms / 1e3 if request.timeout_ms else None
+                req = runtime.generate(
+                    seq, _timeout(own, context.time_remaining()), request.id or None
+                )
+            except Exception as exc:  # CancelledError is not an Exception: it propagates
+                error = _as_error(exc, "Generate")
+                await context.abort(GRPC_STATUS[error.code], error.message)
+            async with req:
+                try:
+                    async for delta in req:
+                        yield _response(request.id, delta)
+                except Exception as exc:
+                    error = _as_error(exc, "Generate")
+                    await context.abort(GRPC_STATUS[error.code], error.message)
+
+
+def _prompt(request: apb.GenerateRequest) -> tuple[str | list[int] | None, list[dict] | None]:
+    given = [
+        name
+        for name, present in (
+            ("prompt", bool(request.prompt)),
+            ("prompt_token_ids", bool(request.prompt_token_ids)),
+            ("messages", bool(request.messages)),
+        )
+        if present
+    ]
+    if len(given) != 1:
+        raise InvalidArgument(
+            "exactly one of prompt, prompt_token_ids and messages must be set "
+            f"(got {', '.join(given) or 'none'})"
+        )
+    if request.messages:
+        return None, [{"role": m.role, "content": m.content} for m in request.messages]
+    if request.prompt_token_ids:
+        return list(request.prompt_token_ids), None
+    return request.prompt, None
+
+
+def _sampling(s: apb.SamplingParameters) -> SamplingParams:
+    kw: dict[str, Any] = {"stop": tuple(s.stop), "ignore_eos": s.ignore_eos}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if s.HasField(name):
+            kw[name] = getattr(s, name)
+    if kw.get("max_tokens") == 0:
+        raise InvalidArgument("sampling.max_tokens: must be >= 1 (got 0)")
+    try:
+        return SamplingParams(**kw)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"sampling.{exc.message}") from None
+
+
+def _response(request_id: str, delta: Delta) -> apb.GenerateResponse:
+    response = apb.GenerateResponse(id=request_id, text=delta.text, token_ids=delta.token_ids)
+    if delta.finished:
+        response.finish_reason = _FINISH[delta.finish_reason]
+        response.usage.prompt_tokens = delta.prompt_tokens
+        response.usage.completion_tokens = delta.completion_tokens
+        response.usage.total_tokens = delta.prompt_tokens + delta.completion_tokens
+    return response
+
+
+# --- decoupled ModelStreamInfer ---------------------------------------------------
+
+
+class StreamOut(Protocol):
+    """How a ModelStreamInfer call takes a request's responses."""
+
+    async def send_partial(self, messages: list[pb.ModelStreamInferResponse]) -> None:
+        """Queue responses that are not the request's last; returns once written."""
+
+    def send_final(self, messages: list[pb.ModelStreamInferResponse]) -> None:
+        """Queue the request's last responses."""
+
+
+async def answer_decoupled(
+    out: StreamOut,
+    runtime: GenerationRuntime,
+    request: pb.ModelInferRequest,
+    call_remaining: float | None,
+) -> None:
+    """One request of a ModelStreamInfer call on a decoder model: a response per
+    piece of text (``text_output``), the last flagged ``triton_final_response``
+    and carrying ``finish_reason``, ``prompt_tokens`` and ``completion_tokens``
+    parameters. A failure answers ``error_message``, and the stream goes on."""
+    try:
+        decoded = decode_infer_request(
+            request, runtime.name, runtime.input_specs, runtime.output_specs,
+            runtime.max_batch_size, runtime.variable_shapes,
+        )  # fmt: skip
+        params = sampling_from_parameters(decoded.parameters)
+        client_id = request.id or None
+        seq = await runtime.prepare(params, text_input(decoded.inputs), client_id=client_id)
+        req = runtime.generate(seq, _timeout(decoded.timeout_s, call_remaining), client_id)
+    except Exception as exc:
+        out.send_final([_failed(request, _as_error(exc, "ModelStreamInfer"))])
+        return
+    empty_final = _flag(request, _EMPTY_FINAL)
+    async with req:
+        try:
+            async for delta in req:
+                if not delta.text and not delta.finished:
+                    continue
+                response = encode_infer_response(
+                    runtime.name, runtime.version, decoded,
+                    {TEXT_OUTPUT: text_tensor(delta.text)}, runtime.output_specs,
+                )  # fmt: skip
+                final = delta.finished and not empty_final
+                response.parameters[_FINAL].bool_param = final
+                if delta.finished:
+                    p = response.parameters
+                    p["finish_reason"].string_param = delta.finish_reason or ""
+                    p["prompt_tokens"].int64_param = delta.prompt_tokens
+                    p["completion_tokens"].int64_param = delta.completion_tokens
+                message = pb.ModelStreamInferResponse(infer_response=response)
+                if final:
+                    out.send_final([message])
+                    return
+                await out.send_partial([message])
+        except Exception as exc:
+            out.send_final([_failed(request, _as_error(exc, "ModelStreamInfer"))])
+            return
+    last = pb.ModelInferResponse(
+        model_name=runtime.name, model_version=runtime.version, id=request.id
+    )
+    last.parameters[_FINAL].bool_param = True
+    out.send_final([pb.ModelStreamInferResponse(infer_response=last)])
+
+
+def _failed(request: pb.ModelInferRequest, error: AserveError) -> pb.ModelStreamInferResponse:
+    failed = pb.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id
+    )
+    failed.parameters[_FINAL].bool_param = True
+    return pb.ModelStreamInferResponse(error_message=error.message, infer_response=failed)
+
+
+def _flag(request: pb.ModelInferRequest, key: str) -> bool:
+    param = request.parameters.get(key)
+    return (
+        param is not None
+        and param.WhichOneof("parameter_choice") == "bool_param"
+        and param.bool_param
+    )
