@@ -43,7 +43,7 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
       -d "$WHEELS" "$pkg==$ver" || echo "could not fetch $pkg==$ver"
   done
   du -sh "$WHEELS"
-  echo "carry $WHEELS with the tree (keep it out of git: echo /$WHEELS/ >> .git/info/exclude)"
+  echo "carry $WHEELS with the tree; keep it out of git, e.g. echo /.whl/ >> .git/info/exclude"
   exit 0
 fi
 

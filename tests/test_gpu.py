@@ -135,3 +135,31 @@ def test_onnx_engine_on_the_cuda_provider(tmp_path, eager_models):
     got = engine.run({"INPUT0": x}, None)["OUTPUT0"]
     want = eager_models["affine"](torch.from_numpy(x)).detach().numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
+def test_unload_gives_the_gpu_memory_back(model_dir):
+    import gc
+
+    from aserve.config import parse_config
+    from aserve.engines.torch_engine import TorchEngine
+
+    entry = {"name": "a", "engine": "torch", "path": "affine.pt", "device": "cuda:0",
+             "cuda_graphs": True, "inputs": [_affine()], "outputs": [{**_affine(), "name": "OUTPUT0"}],
+             "batching": {"max_batch_size": 8, "preferred_batch_sizes": [4]}}  # fmt: skip
+    cfg = parse_config({"models": [entry]}).models[0]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(0)
+    engine = TorchEngine(cfg, model_dir / "affine.pt")
+    engine.load()
+    instance = engine.create_instance(0)
+    assert sorted(instance.graphs) == [4, 8]
+    out = engine.run({"INPUT0": np.ones((4, 16), np.float32)}, instance)["OUTPUT0"]
+    assert out.shape == (4, 16)
+    assert torch.cuda.memory_allocated(0) > base
+    del instance
+    engine.unload()
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated(0) <= base

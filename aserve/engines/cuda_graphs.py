@@ -83,11 +83,13 @@ def capture(
     with _capture_lock, torch.inference_mode():
         for size in sizes:
             try:
-                static_in = [
-                    torch.zeros((size, *s.shape), dtype=dt, device=device)
-                    for s, dt in zip(specs, dtypes, strict=True)
-                ]
+                # Everything on the instance's stream, after what the device already queued.
+                stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):
+                    static_in = [
+                        torch.zeros((size, *s.shape), dtype=dt, device=device)
+                        for s, dt in zip(specs, dtypes, strict=True)
+                    ]
                     for _ in range(WARMUP_RUNS):
                         module(*static_in)
                 stream.synchronize()

@@ -62,9 +62,8 @@ class Stream:
 
     def __init__(self) -> None:
         r = rt()
-        self.handle = check(
-            "cudaStreamCreateWithFlags", r.cudaStreamCreateWithFlags(r.cudaStreamNonBlocking)
-        )
+        flags = getattr(r, "cudaStreamNonBlocking", 1)  # the value is 1 in every CUDA
+        self.handle = check("cudaStreamCreateWithFlags", r.cudaStreamCreateWithFlags(flags))
 
     @property
     def ptr(self) -> int:

@@ -101,6 +101,7 @@ class TensorRTEngine(Engine):
         self.device_index = int(config.device.partition(":")[2] or 0)
         self._trt: Any = None
         self._runtime: Any = None
+        self._logger: Any = None
         self._engine: Any = None
         self._dynamic = False
         self._instances: list[_Instance] = []
@@ -136,7 +137,8 @@ class TensorRTEngine(Engine):
                 f"not '{path.name}'"
             )
         self._trt = trt
-        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self._logger = trt.Logger(trt.Logger.WARNING)  # must outlive the runtime
+        self._runtime = trt.Runtime(self._logger)
         engine = self._runtime.deserialize_cuda_engine(data)
         if engine is None:
             raise RuntimeError(
