@@ -2,12 +2,54 @@
 
 Counters are plain ints updated on the loop only, so no locks are needed.
 Durations are nanoseconds, as the statistics protocol reports them.
+:class:`Histogram` keeps fixed-bucket counts (seconds) for the Prometheus
+exporter (``aserve/metrics.py``), which reads them only when scraped.
 """
 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
+from collections.abc import Sequence
 from typing import Any
+
+# Upper bounds of the histogram buckets (Prometheus ``le``); +Inf is implied.
+LATENCY_BUCKETS_S = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+TOKEN_LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+    5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Histogram:
+    """Counts of observations per fixed bucket, and their sum.
+
+    An observation is a bisect and a list increment: cheap enough for the
+    places that already record statistics. ``counts[i]`` holds the values
+    ``bounds[i-1] < v <= bounds[i]``; the last entry those above every bound.
+    """
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``(le, count of values <= le)`` per bucket, ``+Inf`` last (Prometheus' form)."""
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+        return out
 
 
 class Duration:
@@ -53,6 +95,13 @@ class ModelStats:
         self.timed_out = 0
         self.cancelled = 0
         self.batch_sizes: dict[int, BatchSizeStats] = {}
+        # For /metrics: per request queue time, per execution compute time and size;
+        # per generated token time to first token and between tokens (decoders).
+        self.queue_seconds = Histogram(LATENCY_BUCKETS_S)
+        self.compute_seconds = Histogram(LATENCY_BUCKETS_S)
+        self.batch_size = Histogram(BATCH_SIZE_BUCKETS)
+        self.first_token_seconds = Histogram(TOKEN_LATENCY_BUCKETS_S)
+        self.inter_token_seconds = Histogram(TOKEN_LATENCY_BUCKETS_S)
 
     def record_batch(
         self, size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int
@@ -64,6 +113,8 @@ class ModelStats:
         self.compute_input.add(input_ns, requests)
         self.compute_infer.add(infer_ns, requests)
         self.compute_output.add(output_ns, requests)
+        self.compute_seconds.observe((input_ns + infer_ns + output_ns) / 1e9)
+        self.batch_size.observe(size)
         per_size = self.batch_sizes.get(size)
         if per_size is None:
             per_size = self.batch_sizes[size] = BatchSizeStats()

@@ -27,8 +27,9 @@ from aiohttp import web
 
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.validate import request_timeout
-from aserve.errors import AserveError, InvalidArgument, TooLarge
+from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge
 from aserve.frontends.http import error_response
+from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, counted
 from aserve.loop.generation import generation_runtime
 from aserve.streaming.channel import Delta
 from aserve.streaming.sse import SseResponse
@@ -94,9 +95,12 @@ class TritonGenerate:
         self._server = server
 
     def add_routes(self, route: Route) -> None:
+        requests = self._server.metrics.requests
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            route("POST", base + "/generate", self.generate)
-            route("POST", base + "/generate_stream", self.generate_stream)
+            route("POST", base + "/generate", counted(requests, "http", self.generate))
+            route(
+                "POST", base + "/generate_stream", counted(requests, "http", self.generate_stream)
+            )
 
     async def _start(self, request: web.Request) -> tuple[Any, ...]:
         """Everything that can fail before the first byte: parse, validate, admit."""
@@ -106,6 +110,7 @@ class TritonGenerate:
         # that a reload takes out of routing is drained and unloaded once idle.
         info = request.match_info
         runtime = generation_runtime(self._server.registry, info["model"], info.get("version"))
+        request[RUNTIME_KEY] = runtime
         client_id = doc.get("id")
         if client_id is not None and not isinstance(client_id, str):
             raise InvalidArgument("field 'id' must be a string")
@@ -163,8 +168,10 @@ class TritonGenerate:
                     await sse.send(doc)
                 return await sse.finish()
             except AserveError as exc:
+                request[STATUS_KEY] = exc.code.value
                 return await sse.fail({"error": exc.message})
             except ConnectionError:
+                request[STATUS_KEY] = ErrorCode.CANCELLED.value
                 return sse.response  # the client went away; leaving cancels the sequence
 
 

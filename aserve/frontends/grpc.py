@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import grpc
@@ -33,12 +34,13 @@ from aserve._proto import aserve_pb2_grpc, model_config_pb2
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
-from aserve.errors import AserveError, InternalError
+from aserve.errors import AserveError, ErrorCode, InternalError
 from aserve.frontends.grpc_generate import SERVICE_NAME as GENERATION_SERVICE
 from aserve.frontends.grpc_generate import GenerationServicer, answer_decoupled
 from aserve.frontends.grpc_health import REFLECTED_SERVICES, Health, reflection_pool
 from aserve.frontends.status import GRPC_STATUS
 from aserve.loop.generation import GenerationRuntime
+from aserve.metrics import OK
 
 if TYPE_CHECKING:
     from aserve.loop.model import ModelRuntime
@@ -197,12 +199,31 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             runtime.name, runtime.version, decoded, outputs, runtime.output_specs
         )
 
-    @_unary
+    def _served(self, request: pb.ModelInferRequest) -> ModelRuntime | None:
+        """The runtime that serves ``request`` now, if any (for counting it)."""
+        try:
+            return self._runtime(request.model_name, request.model_version)
+        except AserveError:
+            return None
+
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
+        started = perf_counter()
+        record = self._server.metrics.requests.record
         with self._frontend.serving():
-            return await self._infer(request, context.time_remaining())
+            try:
+                response = await self._infer(request, context.time_remaining())
+            except asyncio.CancelledError:
+                record(self._served(request), "grpc", ErrorCode.CANCELLED.value, started)
+                raise
+            except Exception as exc:
+                error = _as_error(exc, "ModelInfer", request)
+                record(self._served(request), "grpc", error.code.value, started)
+                await context.abort(GRPC_STATUS[error.code], error.message)
+                raise AssertionError("unreachable: abort raises") from None
+        record(self._served(request), "grpc", OK, started)
+        return response
 
     async def ModelStreamInfer(
         self,
@@ -280,13 +301,26 @@ class _Stream:
             runtime = self._servicer._runtime(request.model_name, request.model_version)
         except AserveError:
             runtime = None  # _infer answers the error
+        started = perf_counter()
+        record = self._servicer._server.metrics.requests.record
         if isinstance(runtime, GenerationRuntime):
-            await answer_decoupled(self, runtime, request, self._context.time_remaining())
+            try:
+                status = await answer_decoupled(
+                    self, runtime, request, self._context.time_remaining()
+                )
+            except asyncio.CancelledError:
+                record(runtime, "grpc", ErrorCode.CANCELLED.value, started)
+                raise
+            record(runtime, "grpc", status, started)
             return
         try:
             response = await self._servicer._infer(request, self._context.time_remaining())
-        except Exception as exc:  # CancelledError propagates: the stream is going away
+        except asyncio.CancelledError:  # the stream is going away
+            record(runtime, "grpc", ErrorCode.CANCELLED.value, started)
+            raise
+        except Exception as exc:
             error = _as_error(exc, "ModelStreamInfer", request)
+            record(runtime, "grpc", error.code.value, started)
             failed = pb.ModelInferResponse(
                 model_name=request.model_name, model_version=request.model_version, id=request.id
             )
@@ -295,6 +329,7 @@ class _Stream:
                 [pb.ModelStreamInferResponse(error_message=error.message, infer_response=failed)]
             )
             return
+        record(runtime, "grpc", OK, started)
         empty_final = _bool_parameter(request, _EMPTY_FINAL)
         response.parameters[_FINAL].bool_param = not empty_final
         messages = [pb.ModelStreamInferResponse(infer_response=response)]

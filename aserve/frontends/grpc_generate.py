@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -25,7 +26,7 @@ from aserve._proto import grpc_service_pb2 as pb
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
 from aserve.engines.decoder import SamplingParams
-from aserve.errors import AserveError, InternalError, InvalidArgument
+from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
 from aserve.frontends.status import GRPC_STATUS
 from aserve.loop.generation import (
     TEXT_OUTPUT,
@@ -34,6 +35,7 @@ from aserve.loop.generation import (
     text_input,
     text_tensor,
 )
+from aserve.metrics import OK
 from aserve.streaming.channel import Delta
 
 if TYPE_CHECKING:
@@ -76,29 +78,38 @@ class GenerationServicer(apb_grpc.GenerationServicer):
     async def Generate(
         self, request: apb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[apb.GenerateResponse]:
+        started = perf_counter()
+        runtime: GenerationRuntime | None = None
+        status = ErrorCode.CANCELLED.value  # unless it ends otherwise
         with self._frontend.serving():
             try:
-                runtime = generation_runtime(
-                    self._server.registry, request.model_name, request.model_version
-                )
-                prompt, messages = _prompt(request)
-                seq = await runtime.prepare(
-                    _sampling(request.sampling), prompt, messages, request.id or None
-                )
-                own = request.timeout_ms / 1e3 if request.timeout_ms else None
-                req = runtime.generate(
-                    seq, _timeout(own, context.time_remaining()), request.id or None
-                )
-            except Exception as exc:  # CancelledError is not an Exception: it propagates
-                error = _as_error(exc, "Generate")
-                await context.abort(GRPC_STATUS[error.code], error.message)
-            async with req:
                 try:
-                    async for delta in req:
-                        yield _response(request.id, delta)
-                except Exception as exc:
+                    runtime = generation_runtime(
+                        self._server.registry, request.model_name, request.model_version
+                    )
+                    prompt, messages = _prompt(request)
+                    seq = await runtime.prepare(
+                        _sampling(request.sampling), prompt, messages, request.id or None
+                    )
+                    own = request.timeout_ms / 1e3 if request.timeout_ms else None
+                    req = runtime.generate(
+                        seq, _timeout(own, context.time_remaining()), request.id or None
+                    )
+                except Exception as exc:  # CancelledError is not an Exception: it propagates
                     error = _as_error(exc, "Generate")
+                    status = error.code.value
                     await context.abort(GRPC_STATUS[error.code], error.message)
+                async with req:
+                    try:
+                        async for delta in req:
+                            yield _response(request.id, delta)
+                    except Exception as exc:
+                        error = _as_error(exc, "Generate")
+                        status = error.code.value
+                        await context.abort(GRPC_STATUS[error.code], error.message)
+                status = OK
+            finally:
+                self._server.metrics.requests.record(runtime, "grpc", status, started)
 
 
 def _prompt(request: apb.GenerateRequest) -> tuple[str | list[int] | None, list[dict] | None]:
@@ -164,11 +175,12 @@ async def answer_decoupled(
     runtime: GenerationRuntime,
     request: pb.ModelInferRequest,
     call_remaining: float | None,
-) -> None:
+) -> str:
     """One request of a ModelStreamInfer call on a decoder model: a response per
     piece of text (``text_output``), the last flagged ``triton_final_response``
     and carrying ``finish_reason``, ``prompt_tokens`` and ``completion_tokens``
-    parameters. A failure answers ``error_message``, and the stream goes on."""
+    parameters. A failure answers ``error_message``, and the stream goes on.
+    Returns how it ended, for the request counters: "ok" or the error code."""
     try:
         decoded = decode_infer_request(
             request, runtime.name, runtime.input_specs, runtime.output_specs,
@@ -179,8 +191,9 @@ async def answer_decoupled(
         seq = await runtime.prepare(params, text_input(decoded.inputs), client_id=client_id)
         req = runtime.generate(seq, _timeout(decoded.timeout_s, call_remaining), client_id)
     except Exception as exc:
-        out.send_final([_failed(request, _as_error(exc, "ModelStreamInfer"))])
-        return
+        error = _as_error(exc, "ModelStreamInfer")
+        out.send_final([_failed(request, error)])
+        return error.code.value
     empty_final = _flag(request, _EMPTY_FINAL)
     async with req:
         try:
@@ -201,16 +214,18 @@ async def answer_decoupled(
                 message = pb.ModelStreamInferResponse(infer_response=response)
                 if final:
                     out.send_final([message])
-                    return
+                    return OK
                 await out.send_partial([message])
         except Exception as exc:
-            out.send_final([_failed(request, _as_error(exc, "ModelStreamInfer"))])
-            return
+            error = _as_error(exc, "ModelStreamInfer")
+            out.send_final([_failed(request, error)])
+            return error.code.value
     last = pb.ModelInferResponse(
         model_name=runtime.name, model_version=runtime.version, id=request.id
     )
     last.parameters[_FINAL].bool_param = True
     out.send_final([pb.ModelStreamInferResponse(infer_response=last)])
+    return OK
 
 
 def _failed(request: pb.ModelInferRequest, error: AserveError) -> pb.ModelStreamInferResponse:

@@ -21,6 +21,7 @@ from aiohttp import web
 from aserve import __version__
 from aserve.codecs.v2 import decode_request, encode_response
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
+from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, counted
 from aserve.frontends.status import HTTP_STATUS
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class HttpFrontend:
     def _add_routes(self) -> None:
         r = self._app.router
         model = "/v2/models/{model}"
+        requests = self._server.metrics.requests
         version = "/v2/models/{model}/versions/{version}"
 
         def route(method: str, path: str, handler: Any) -> None:
@@ -109,13 +111,14 @@ class HttpFrontend:
             route("GET", base, self._model_metadata)
             route("GET", base + "/ready", self._model_ready)
             route("GET", base + "/stats", self._stats)
-            route("POST", base + "/infer", self._infer)
+            route("POST", base + "/infer", counted(requests, "http", self._infer))
         from aserve.frontends.generate import add_generation_routes  # it imports this module
 
         add_generation_routes(route, self._server)  # OpenAI API, Triton generate
         from aserve.frontends.http_admin import add_admin_routes  # it imports this module
 
         add_admin_routes(route, self._server)
+        add_metrics_route(route, self._server)
         r.add_route("*", "/{tail:.*}", self._not_found)
 
     async def _method_not_allowed(self, request: web.Request) -> web.Response:
@@ -207,6 +210,7 @@ class HttpFrontend:
         # a runtime a reload takes out of routing is drained once its queue is
         # empty, so a request must not hold one across an await before queueing.
         runtime = self._runtime(request)
+        request[RUNTIME_KEY] = runtime
         headers = request.headers
         decoded = decode_request(
             body,

@@ -35,6 +35,7 @@ from aiohttp import web
 from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.generate import Route, header_timeout, read_json_object, usage
+from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, counted
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.generation import GenerationRuntime, generation_runtime
 from aserve.streaming.channel import Delta
@@ -115,8 +116,9 @@ class OpenAIApi:
     def add_routes(self, route: Route) -> None:
         route("GET", "/v1/models", self.list_models)
         route("GET", "/v1/models/{model}", self.get_model)
-        route("POST", "/v1/completions", self.completions)
-        route("POST", "/v1/chat/completions", self.chat_completions)
+        requests = self._server.metrics.requests
+        route("POST", "/v1/completions", counted(requests, "openai", self.completions))
+        route("POST", "/v1/chat/completions", counted(requests, "openai", self.chat_completions))
 
     # --- models -----------------------------------------------------------------
 
@@ -169,6 +171,7 @@ class OpenAIApi:
                 raise NotFound(f"The model '{model}' does not exist") from None
             except InvalidArgument as exc:
                 raise FieldError("model", exc.message) from None
+            request[RUNTIME_KEY] = runtime
             seq = await runtime.prepare(
                 parsed.params, prompt=parsed.prompt, messages=parsed.messages
             )
@@ -246,8 +249,10 @@ async def _stream(
             await sse.send({**head, "choices": [], "usage": usage(last)})
         return await sse.finish(DONE)
     except AserveError as exc:
+        request[STATUS_KEY] = exc.code.value
         return await sse.fail(error_doc(exc))
     except ConnectionError:
+        request[STATUS_KEY] = ErrorCode.CANCELLED.value
         return sse.response  # the client went away; leaving cancels the sequence
 
 

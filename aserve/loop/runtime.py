@@ -23,6 +23,7 @@ from aserve.frontends.http import HttpFrontend
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
 from aserve.loop.runtimes import create_runtime
+from aserve.metrics import Metrics
 
 log = logging.getLogger("aserve.server")
 
@@ -47,6 +48,7 @@ class Server:
         self.state = ServerState.STARTING
         self.registry = ModelRegistry()
         self.reloader = Reloader(self, source)
+        self.metrics = Metrics(self)  # before the frontends, which count requests in it
         self.http = HttpFrontend(self)
         self.grpc = GrpcFrontend(self) if config.grpc is not None else None
         self._stop_requested: asyncio.Event | None = None
@@ -80,6 +82,7 @@ class Server:
             await self._unload_all()
             raise StartupError(f"cannot listen: {exc}") from None
         self.state = ServerState.READY
+        self.metrics.start()
         if self.grpc is not None:
             await self.grpc.update_health()
         self.reloader.start()
@@ -124,6 +127,7 @@ class Server:
             await asyncio.gather(*stopping)
         await self.reloader.finish_retiring()
         await self._unload_all()
+        await self.metrics.stop()
         self.state = ServerState.STOPPED
         log.info("stopped")
 

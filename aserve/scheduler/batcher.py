@@ -218,9 +218,12 @@ class Batcher:
     def _dispatch(self, picked: list[InferenceRequest], now: float) -> None:
         size = 0
         queue_ns = 0
+        observe_queue = self._stats.queue_seconds.observe
         for req in picked:
             size += req.batch_size
-            queue_ns += int((now - req.arrival) * 1e9)
+            waited = now - req.arrival
+            queue_ns += int(waited * 1e9)
+            observe_queue(waited)
         self._stats.queue.add(queue_ns, len(picked))
         running = _Running(picked, size, now, now + self.latency.estimate(size))
         earliest = min(r.deadline for r in picked)

@@ -69,6 +69,7 @@ class GenerationRequest:
         "deadline",
         "holds_slot",
         "id",
+        "last_token",
         "prompt_tokens",
         "sequence",
         "state",
@@ -95,6 +96,7 @@ class GenerationRequest:
         self.state = State.WAITING
         self.admitted = 0.0
         self.holds_slot = False
+        self.last_token = 0.0  # when the step that gave its latest token ended; 0: none yet
 
     def __lt__(self, other: GenerationRequest) -> bool:
         return (self.deadline, self.id) < (other.deadline, other.id)
@@ -295,12 +297,14 @@ class ContinuousBatcher:
             r.holds_slot = False
         self._slots_held -= len(free)
         queue_ns = 0
+        observe_queue = self._stats.queue_seconds.observe
         for r in new:
             r.state = State.RUNNING
             r.admitted = now
             r.holds_slot = True
             self._running[r.id] = r
             queue_ns += int((now - r.arrival) * 1e9)
+            observe_queue(now - r.arrival)
         if new:
             self._stats.queue.add(queue_ns, len(new))
         self._slots_held += len(new)
@@ -333,6 +337,13 @@ class ContinuousBatcher:
                 if req.state is not State.RUNNING:
                     continue  # cancelled or expired while the step ran: nobody reads it
                 req.channel.push(out)
+                # One token per sequence per step: the first after the request
+                # arrived, the others after the previous step that gave one.
+                if req.last_token:
+                    stats.inter_token_seconds.observe(now - req.last_token)
+                else:
+                    stats.first_token_seconds.observe(now - req.arrival)
+                req.last_token = now
                 if out.finished:
                     req.state = State.DONE
                     del self._running[req.id]

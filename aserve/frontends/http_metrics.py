@@ -1,0 +1,80 @@
+"""``GET /metrics`` and the request counting of the HTTP routes (on the loop).
+
+:func:`counted` wraps an inference handler: when it returns (or is cancelled
+because the client went away) one request is counted under the runtime the
+handler stored in ``request[RUNTIME_KEY]`` and the status its response says.
+A streamed response that failed after its first byte says so in
+``request[STATUS_KEY]``, since its HTTP status was already 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, Final
+
+from aiohttp import web
+from prometheus_client.exposition import choose_encoder
+
+from aserve.errors import ErrorCode
+from aserve.frontends.status import STATUS
+from aserve.metrics import OK, RequestMetrics
+
+if TYPE_CHECKING:
+    from aserve.loop.runtime import Server
+
+RUNTIME_KEY: Final = "aserve_runtime"  # the runtime that served the request
+STATUS_KEY: Final = "aserve_status"  # a streamed request's error code, once it failed
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Route = Callable[[str, str, Any], None]
+
+# HTTP status -> the status label (the error code's value; "ok" for 200).
+_LABELS: Final[dict[int, str]] = {200: OK, **{s.http: code.value for code, s in STATUS.items()}}
+
+
+def status_label(http_status: int) -> str:
+    label = _LABELS.get(http_status)
+    if label is not None:
+        return label
+    if http_status < 400:
+        return OK
+    return (ErrorCode.INTERNAL if http_status >= 500 else ErrorCode.INVALID_ARGUMENT).value
+
+
+def counted(requests: RequestMetrics, protocol: str, handler: _Handler) -> _Handler:
+    """``handler``, counting each request it answers under ``protocol``."""
+
+    async def counting(request: web.Request) -> web.StreamResponse:
+        started = perf_counter()
+        try:
+            response = await handler(request)
+        except asyncio.CancelledError:
+            requests.record(request.get(RUNTIME_KEY), protocol, ErrorCode.CANCELLED.value, started)
+            raise
+        except Exception:
+            requests.record(request.get(RUNTIME_KEY), protocol, ErrorCode.INTERNAL.value, started)
+            raise
+        status = request.get(STATUS_KEY) or status_label(response.status)
+        requests.record(request.get(RUNTIME_KEY), protocol, status, started)
+        return response
+
+    counting.__name__ = getattr(handler, "__name__", "handler")
+    return counting
+
+
+def add_metrics_route(route: Route, server: Server) -> None:
+    registry = server.metrics.registry
+
+    async def metrics(request: web.Request) -> web.Response:
+        # Prometheus text 0.0.4, or OpenMetrics when the scraper asks for it.
+        # Built on the loop: the collector reads loop-owned counters, and a
+        # scrape of a few models costs well under a millisecond.
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = encoder(registry)
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = content_type
+        return response
+
+    route("GET", "/metrics", metrics)

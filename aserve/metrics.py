@@ -1,0 +1,343 @@
+"""Prometheus metrics, built at scrape time from counters aserve already keeps.
+
+Nothing here runs on the request path but :meth:`RequestMetrics.record`, one
+dict increment and one histogram observation per answered request. Everything
+else is read when ``GET /metrics`` is scraped, by :class:`ServerCollector`:
+per-model statistics (:class:`aserve.stats.ModelStats`), the batchers'
+gauges, the generation counters, the reload counters, and the GPU gauges of
+:class:`NvmlSampler` (a thread that polls NVML, only where NVML is present).
+
+Names follow the Prometheus conventions (``aserve_`` prefix, base units,
+``_total`` counters); ``README.md`` maps them to Triton's ``nv_inference_*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterator
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from aserve.stats import LATENCY_BUCKETS_S, Histogram
+
+if TYPE_CHECKING:
+    from aserve.loop.runtime import Server
+
+log = logging.getLogger("aserve.metrics")
+
+# The ``status`` label of an answered request: "ok", or an ErrorCode value
+# ("invalid_argument", "queue_full", ..., "cancelled" when the client left).
+OK = "ok"
+NVML_INTERVAL_S = 2.0
+
+
+class RequestMetrics:
+    """Requests the frontends answered, by model, version, protocol and status.
+
+    Server-wide (not per runtime), so counts survive reloads. Requests that
+    name no served model count under ``model=""``, so that clients cannot
+    create series by inventing names. Loop only.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str, str, str], int] = {}
+        self.durations: dict[tuple[str, str], Histogram] = {}
+        # Refusals by a server-wide limit (reason -> count), no model known yet.
+        self.rejected: dict[str, int] = {}
+
+    def record(self, runtime: Any, protocol: str, status: str, started: float) -> None:
+        """Count one answered request; ``started`` is its ``perf_counter()`` at arrival.
+
+        ``runtime`` is the model runtime that served it, or None. The end-to-end
+        duration histogram takes successful requests only (Triton's convention).
+        """
+        if runtime is None:
+            model = version = ""
+        else:
+            model, version = runtime.name, runtime.version
+        key = (model, version, protocol, status)
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+        if status == OK:
+            hist = self.durations.get((model, version))
+            if hist is None:
+                hist = self.durations[(model, version)] = Histogram(LATENCY_BUCKETS_S)
+            hist.observe(perf_counter() - started)
+
+
+class NvmlSampler:
+    """Polls utilisation and memory of every NVIDIA GPU from a thread.
+
+    Started only where ``pynvml`` (the ``nvidia-ml-py`` package) imports and
+    NVML initialises with at least one device; otherwise it does nothing and
+    no GPU metrics are exported. The loop reads ``samples``, a tuple replaced
+    whole by each poll.
+    """
+
+    def __init__(self, interval_s: float = NVML_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.samples: tuple[tuple[str, str, float, float, float], ...] = ()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml: Any = None
+
+    def start(self) -> bool:
+        """Start polling if there is NVML and a GPU; True when it runs."""
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as exc:  # no package, no driver, no GPU: no GPU metrics
+            log.debug("no GPU metrics: %r", exc)
+            return False
+        try:
+            if pynvml.nvmlDeviceGetCount() == 0:
+                pynvml.nvmlShutdown()
+                return False
+        except Exception as exc:
+            log.debug("no GPU metrics: %r", exc)
+            return False
+        self._nvml = pynvml
+        self._sample_threadsafe()
+        self._thread = threading.Thread(
+            target=self._run_threadsafe, name="aserve-nvml", daemon=True
+        )
+        self._thread.start()
+        return True
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, 5.0)
+        self._thread = None
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+    def _run_threadsafe(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample_threadsafe()
+
+    def _sample_threadsafe(self) -> None:
+        nvml = self._nvml
+        out = []
+        try:
+            for i in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                uuid = nvml.nvmlDeviceGetUUID(handle)
+                util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
+                mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+                out.append((str(i), _text(uuid), util, float(mem.used), float(mem.total)))
+        except Exception as exc:  # a GPU gone or a driver hiccup: keep the last sample
+            log.warning("NVML sampling failed: %r", exc)
+            return
+        self.samples = tuple(out)  # one assignment: the loop sees old or new, never a mix
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class ServerCollector(Collector):
+    """Builds aserve's metric families from the server's state when scraped (on the loop)."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        server = self._server
+        requests = server.metrics.requests
+        mv = ["model", "version"]
+
+        total = CounterMetricFamily(
+            "aserve_requests",
+            "Inference requests answered, by protocol and status (ok, or the error code).",
+            labels=[*mv, "protocol", "status"],
+        )
+        for key, n in sorted(requests.counts.items()):
+            total.add_metric(list(key), n)
+        yield total
+
+        duration = HistogramMetricFamily(
+            "aserve_request_duration_seconds",
+            "End-to-end time of successful requests, from arrival to answer.",
+            labels=mv,
+        )
+        for key, hist in sorted(requests.durations.items()):
+            duration.add_metric(list(key), hist.cumulative(), hist.sum)
+        yield duration
+
+        queue_h = _histogram(
+            "aserve_queue_duration_seconds",
+            "Time a request waited in its model's queue before its batch (or first step) started.",
+        )
+        compute_h = _histogram(
+            "aserve_compute_duration_seconds",
+            "Time of one batch execution (decoders: one engine step), input to output.",
+        )
+        batch_h = _histogram(
+            "aserve_batch_size", "Items per batch execution (decoders: sequences per engine step)."
+        )
+        ttft_h = _histogram(
+            "aserve_time_to_first_token_seconds",
+            "Decoder models: time from arrival to the first generated token.",
+        )
+        itl_h = _histogram(
+            "aserve_inter_token_latency_seconds",
+            "Decoder models: time between two tokens of a sequence.",
+        )
+        queued = GaugeMetricFamily(
+            "aserve_queue_requests", "Requests waiting in the model's queue.", labels=mv
+        )
+        running = GaugeMetricFamily(
+            "aserve_running_batches",
+            "Batches (decoders: engine steps) running in the model's executor threads.",
+            labels=mv,
+        )
+        executions = CounterMetricFamily(
+            "aserve_batch_executions", "Batch executions (decoders: engine steps).", labels=mv
+        )
+        inferences = CounterMetricFamily(
+            "aserve_inferences", "Items inferred (a batch of n counts n).", labels=mv
+        )
+        rejected = CounterMetricFamily(
+            "aserve_rejected_requests",
+            'Requests refused at admission, by reason; a server-wide limit counts under model="".',
+            labels=[*mv, "reason"],
+        )
+        timed_out = CounterMetricFamily(
+            "aserve_timed_out_requests",
+            "Requests whose deadline passed while queued or running.",
+            labels=mv,
+        )
+        cancelled = CounterMetricFamily(
+            "aserve_cancelled_requests",
+            "Requests whose client went away while queued or running.",
+            labels=mv,
+        )
+        generated = CounterMetricFamily(
+            "aserve_generation_tokens", "Decoder models: tokens generated.", labels=mv
+        )
+        prompt = CounterMetricFamily(
+            "aserve_prompt_tokens", "Decoder models: prompt tokens of finished requests.", labels=mv
+        )
+        seqs = GaugeMetricFamily(
+            "aserve_running_sequences", "Decoder models: sequences in the running batch.", labels=mv
+        )
+        kv = GaugeMetricFamily(
+            "aserve_kv_cache_usage_ratio",
+            "Decoder models: KV-cache slots in use, 0 to 1.",
+            labels=mv,
+        )
+
+        for reason, n in sorted(requests.rejected.items()):
+            rejected.add_metric(["", "", reason], n)
+        for rt in sorted(server.registry, key=lambda rt: (rt.name, int(rt.version))):
+            labels = [rt.name, rt.version]
+            st = rt.stats
+            doc = rt.statistics()
+            queue_h.add_metric(labels, st.queue_seconds.cumulative(), st.queue_seconds.sum)
+            compute_h.add_metric(labels, st.compute_seconds.cumulative(), st.compute_seconds.sum)
+            batch_h.add_metric(labels, st.batch_size.cumulative(), st.batch_size.sum)
+            queued.add_metric(labels, doc["pending_request_count"])
+            running.add_metric(labels, doc["running_batch_count"])
+            executions.add_metric(labels, st.execution_count)
+            inferences.add_metric(labels, st.inference_count)
+            for reason, n in sorted(st.rejected.items()):
+                rejected.add_metric([*labels, reason], n)
+            timed_out.add_metric(labels, st.timed_out)
+            cancelled.add_metric(labels, st.cancelled)
+            gen = doc.get("generation")
+            if gen is not None:
+                for hist, name in ((ttft_h, "first_token_seconds"), (itl_h, "inter_token_seconds")):
+                    h = getattr(st, name)
+                    hist.add_metric(labels, h.cumulative(), h.sum)
+                generated.add_metric(labels, gen["generated_tokens"])
+                prompt.add_metric(labels, gen["prompt_tokens"])
+                seqs.add_metric(labels, gen["running_sequence_count"])
+                kv.add_metric(labels, gen["kv_slots_in_use"] / max(1, gen["max_num_seqs"]))
+        yield from (
+            queue_h,
+            compute_h,
+            batch_h,
+            queued,
+            running,
+            executions,
+            inferences,
+            rejected,
+            timed_out,
+            cancelled,
+            ttft_h,
+            itl_h,
+            generated,
+            prompt,
+            seqs,
+            kv,
+        )
+
+        reloads = CounterMetricFamily(
+            "aserve_config_reloads",
+            "Config reloads, by result (ok, rejected, unchanged).",
+            labels=["result"],
+        )
+        for result, n in sorted(server.reloader.status.counts.items()):
+            reloads.add_metric([result], n)
+        yield reloads
+
+        samples = server.metrics.nvml.samples
+        if samples:
+            gpu = ["gpu", "gpu_uuid"]
+            util = GaugeMetricFamily(
+                "aserve_gpu_utilization_ratio",
+                "GPU utilisation over the last NVML sample period, 0 to 1.",
+                labels=gpu,
+            )
+            used = GaugeMetricFamily(
+                "aserve_gpu_memory_used_bytes", "GPU memory in use.", labels=gpu
+            )
+            size = GaugeMetricFamily(
+                "aserve_gpu_memory_total_bytes", "GPU memory in all.", labels=gpu
+            )
+            for index, uuid, u, m_used, m_total in samples:
+                util.add_metric([index, uuid], u)
+                used.add_metric([index, uuid], m_used)
+                size.add_metric([index, uuid], m_total)
+            yield from (util, used, size)
+
+
+def _histogram(name: str, doc: str) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, doc, labels=["model", "version"])
+
+
+class Metrics:
+    """The server's metrics: request counters, the NVML sampler, the registry /metrics shows."""
+
+    def __init__(self, server: Server) -> None:
+        self.requests = RequestMetrics()
+        self.nvml = NvmlSampler()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ServerCollector(server))
+        from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, fds
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+
+    def start(self) -> None:
+        if self.nvml.start():
+            log.info("GPU metrics: sampling NVML every %.0fs", self.nvml.interval_s)
+
+    async def stop(self) -> None:
+        await self.nvml.stop()
