@@ -246,3 +246,177 @@ def test_tensorrt_serves_an_onnx_model_on_two_streams_and_reuses_its_cache(affin
             client.close()
         finally:
             srv.stop()
+
+
+# --- the engine's data path, against stand-ins for TensorRT and the CUDA runtime ---------
+
+
+class _Memory:
+    """Host-side stand-ins for device and pinned buffers: bytes found by their 'pointer'."""
+
+    def __init__(self) -> None:
+        self.by_ptr: dict[int, np.ndarray] = {}
+        self.freed: list[int] = []
+
+    def alloc(self, nbytes: int) -> tuple[int, np.ndarray]:
+        data = np.zeros(max(nbytes, 1), np.uint8)
+        ptr = 0x1000 + 0x100000 * len(self.by_ptr)
+        self.by_ptr[ptr] = data
+        return ptr, data
+
+
+def _fake_cuda(monkeypatch, memory: _Memory, log: list):
+    from aserve.engines import cuda_rt
+
+    class Stream:
+        def __init__(self):
+            self.handle, self.ptr = object(), 77
+
+        def synchronize(self):
+            log.append("sync")
+
+        def destroy(self):
+            log.append("destroy stream")
+
+    class DeviceBuffer:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+            self.ptr, self.data = memory.alloc(nbytes)
+
+        def free(self):
+            memory.freed.append(self.ptr)
+
+    class PinnedBuffer(DeviceBuffer):
+        def view(self, dtype, shape):
+            count = int(np.prod(shape, dtype=np.int64))
+            return self.data[: count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def copy(dst, src, nbytes, stream):
+        log.append(("copy", nbytes))
+        dst.data[:nbytes] = src.data[:nbytes]
+
+    monkeypatch.setattr(cuda_rt, "set_device", lambda index: None)
+    monkeypatch.setattr(cuda_rt, "Stream", Stream)
+    monkeypatch.setattr(cuda_rt, "DeviceBuffer", DeviceBuffer)
+    monkeypatch.setattr(cuda_rt, "PinnedBuffer", PinnedBuffer)
+    monkeypatch.setattr(cuda_rt, "copy_to_device_async", copy)
+    monkeypatch.setattr(cuda_rt, "copy_to_host_async", copy)
+
+
+def _fake_trt(memory: _Memory, log: list, profiles: int, max_batch: int):
+    """An engine computing Y = 2 * X + 1 on [-1, 16] FP32, with ``profiles`` profiles."""
+    INPUT, OUTPUT = "in", "out"
+
+    class Context:
+        def __init__(self):
+            self.addr, self.shape, self.profile = {}, None, 0
+
+        def set_optimization_profile_async(self, index, stream):
+            self.profile = index
+
+        def set_tensor_address(self, name, ptr):
+            self.addr[name] = ptr
+
+        def set_input_shape(self, name, shape):
+            self.shape = tuple(shape)
+            return True
+
+        def execute_async_v3(self, stream):
+            log.append(("execute", self.profile, self.shape))
+            n = self.shape[0] * 16 * 4
+            x = memory.by_ptr[self.addr["X"]][:n].view(np.float32)
+            memory.by_ptr[self.addr["Y"]][:n].view(np.float32)[:] = 2 * x + 1
+            return True
+
+    class Engine:
+        num_io_tensors = 2
+        num_optimization_profiles = profiles
+
+        def get_tensor_name(self, i):
+            return ["X", "Y"][i]
+
+        def get_tensor_dtype(self, name):
+            return types.SimpleNamespace(name="FLOAT")
+
+        def get_tensor_shape(self, name):
+            return (-1, 16)
+
+        def get_tensor_mode(self, name):
+            return INPUT if name == "X" else OUTPUT
+
+        def get_tensor_profile_shape(self, name, p):
+            return ((1, 16), (8, 16), (max_batch, 16))
+
+        def create_execution_context(self):
+            return Context()
+
+    class Runtime:
+        def __init__(self, logger):
+            pass
+
+        def deserialize_cuda_engine(self, data):
+            return Engine() if data == b"PLAN" else None
+
+    trt = types.SimpleNamespace(
+        __version__="10.13.0",
+        Logger=type("Logger", (), {"WARNING": 1, "__init__": lambda self, level: None}),
+        Runtime=Runtime,
+        TensorIOMode=types.SimpleNamespace(INPUT=INPUT, OUTPUT=OUTPUT),
+    )
+    return trt
+
+
+@pytest.fixture
+def fake_trt_engine(monkeypatch, tmp_path: Path):
+    from aserve.engines import tensorrt_engine
+
+    memory, log = _Memory(), []
+    _fake_cuda(monkeypatch, memory, log)
+
+    def make(profiles: int = 2, engine_max_batch: int = 32, instances: int = 2, plan=b"PLAN"):
+        trt = _fake_trt(memory, log, profiles, engine_max_batch)
+        monkeypatch.setattr(tensorrt_engine, "import_tensorrt", lambda: trt)
+        monkeypatch.setattr("aserve.engines.requirements.engine_problem", lambda e, d: None)
+        (tmp_path / "m.plan").write_bytes(plan)
+        x = [{"name": "X", "datatype": "FP32", "shape": [16]}]
+        entry = {"name": "m", "engine": "tensorrt", "path": "m.plan", "device": "cuda:0",
+                 "instances": instances, "inputs": x, "outputs": [{**x[0], "name": "Y"}],
+                 "batching": {"max_batch_size": 32}}  # fmt: skip
+        cfg = parse_config({"models": [entry]}).models[0]
+        return TensorRTEngine(cfg, tmp_path / "m.plan")
+
+    make.memory, make.log = memory, log  # type: ignore[attr-defined]
+    return make
+
+
+def test_each_instance_has_its_context_profile_stream_and_buffers(fake_trt_engine):
+    engine = fake_trt_engine()
+    engine.load()
+    first, second = engine.create_instance(0), engine.create_instance(1)
+    assert (first.context.profile, second.context.profile) == (0, 1)
+    assert first.stream is not second.stream
+    buffers = {t.device.ptr for i in (first, second) for t in (*i.inputs, *i.outputs)}
+    assert len(buffers) == 4  # nothing shared between instances
+    assert all(t.device.nbytes == 32 * 16 * 4 for t in (*first.inputs, *first.outputs))
+    for inst, batch in ((first, 5), (second, 32), (first, 1)):
+        x = np.random.default_rng(batch).standard_normal((batch, 16)).astype(np.float32)
+        out = engine.run({"X": x}, inst)["Y"]
+        np.testing.assert_allclose(out, 2 * x + 1, rtol=1e-6)
+    # The output is a copy: the next batch on the instance must not change it.
+    out = engine.run({"X": np.zeros((2, 16), np.float32)}, first)["Y"]
+    engine.run({"X": np.ones((2, 16), np.float32)}, first)
+    assert (out == 1).all()
+    log = fake_trt_engine.log
+    assert ("execute", 1, (32, 16)) in log and ("copy", 5 * 16 * 4) in log
+    engine.unload()
+    assert len(fake_trt_engine.memory.freed) == 8  # pinned + device, in and out, x2
+    assert log.count("destroy stream") == 2
+
+
+def test_engine_load_checks_profiles_and_plan(fake_trt_engine):
+    with pytest.raises(ValueError, match=r"has 1 optimization profile.s. but instances is 2"):
+        fake_trt_engine(profiles=1).load()
+    with pytest.raises(ValueError, match=r"profile 0 covers batch 1..16 .*max_batch_size is 32"):
+        fake_trt_engine(engine_max_batch=16).load()
+    with pytest.raises(RuntimeError, match=r"cannot load m.plan: an engine only loads in the"):
+        fake_trt_engine(plan=b"other").load()
