@@ -173,17 +173,26 @@ def test_generation_metrics(decoder_server: ServerProcess) -> None:
     assert whole.usage is not None and whole.usage.completion_tokens == 8
     chunks = list(client.chat.completions.create(
         model="gpt2", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True},
     ))  # fmt: skip
-    assert chunks
+    chat_usage = chunks[-1].usage
+    assert chat_usage is not None
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="gpt2", prompt="Hello", max_tokens=8, n=2)
-    assert post(base, "/v2/models/gpt2/generate", {"text_input": "Hi", "max_tokens": 4}) == 200
+    req = urllib.request.Request(
+        base + "/v2/models/gpt2/generate",
+        data=orjson.dumps({"text_input": "Hi", "max_tokens": 4}),
+        method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        generate_usage = orjson.loads(r.read())["usage"]
     with grpc.insecure_channel(decoder_server.grpc_url) as channel:
         stub = apb_grpc.GenerationStub(channel)
         sampling = apb.SamplingParameters(max_tokens=3, temperature=0)
         replies = list(stub.Generate(apb.GenerateRequest(model_name="gpt2", prompt="Hi",
                                                          sampling=sampling)))  # fmt: skip
-        assert sum(len(r.token_ids) for r in replies) == 3
+        grpc_tokens = replies[-1].usage.completion_tokens
+        assert grpc_tokens == sum(len(r.token_ids) for r in replies)
         with pytest.raises(grpc.RpcError) as refused:
             list(stub.Generate(apb.GenerateRequest(model_name="gpt2")))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -202,7 +211,9 @@ def test_generation_metrics(decoder_server: ServerProcess) -> None:
     assert delta(total, **gpt2, protocol="grpc", status="ok") == 1
     assert delta(total, **gpt2, protocol="grpc", status="invalid_argument") == 1
     tokens = delta("aserve_generation_tokens_total", **gpt2)
-    assert tokens == 8 + 6 + 4 + 3
+    # Every generated token counts, an end token included (as usage does).
+    completions = 8 + chat_usage.completion_tokens + generate_usage["completion_tokens"]
+    assert tokens == completions + grpc_tokens
     assert delta("aserve_prompt_tokens_total", **gpt2) > 0
     # One token per sequence per step: the first is timed from arrival, the rest between steps.
     assert delta("aserve_time_to_first_token_seconds_count", **gpt2) == 4
