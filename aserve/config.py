@@ -57,10 +57,21 @@ class LimitsConfig(_Frozen):
     """Server-wide limits; a request over one is refused at once.
 
     ``max_request_bytes`` bounds an HTTP body and a gRPC message (each message
-    of a stream) alike.
+    of a stream) alike. The others are off unless set.
     """
 
     max_request_bytes: Annotated[int, Field(ge=1)] = 64 * 1024 * 1024
+    max_connections: Annotated[int | None, Field(ge=1)] = None
+    """HTTP connections open at once, and gRPC inference calls (unary or
+    streams) in flight at once: each frontend refuses those over it (HTTP 429
+    on the connection's first request, which closes it; gRPC RESOURCE_EXHAUSTED)."""
+    max_concurrency: Annotated[int | None, Field(ge=1)] = None
+    """Inference requests being served at once, both frontends together (a
+    stream's requests each count; a generation counts until its stream ends);
+    more are refused: HTTP 429 with Retry-After, gRPC RESOURCE_EXHAUSTED."""
+    max_tensor_elements: Annotated[int | None, Field(ge=1)] = None
+    """Elements of one input tensor, batch dimension included; a larger
+    input is refused: HTTP 413, gRPC RESOURCE_EXHAUSTED."""
 
 
 class TensorSpec(_Frozen):

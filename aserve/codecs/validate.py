@@ -17,7 +17,7 @@ import numpy as np
 from aserve.codecs.binary import bytes_elements
 from aserve.codecs.datatypes import numpy_dtype
 from aserve.config import TensorSpec
-from aserve.errors import InvalidArgument, Unimplemented
+from aserve.errors import InvalidArgument, TooLarge, Unimplemented
 
 
 def check_input(
@@ -120,6 +120,18 @@ def check_batch(
         )
     shape_key = tuple(a.shape[1:] for a in inputs.values()) if variable_shapes else ()
     return batch_size, shape_key
+
+
+def check_elements(inputs: Mapping[str, np.ndarray], limit: int | None) -> None:
+    """Every input within ``limits.max_tensor_elements`` (None: no limit)."""
+    if limit is None:
+        return
+    for name, arr in inputs.items():
+        if arr.size > limit:
+            raise TooLarge(
+                f"input '{name}' has {arr.size} elements (shape {list(arr.shape)}), over the "
+                f"limit limits.max_tensor_elements {limit}"
+            )
 
 
 def check_output(

@@ -95,11 +95,15 @@ class TritonGenerate:
         self._server = server
 
     def add_routes(self, route: Route) -> None:
-        requests = self._server.metrics.requests
+        server = self._server
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            route("POST", base + "/generate", counted(requests, "http", self.generate))
             route(
-                "POST", base + "/generate_stream", counted(requests, "http", self.generate_stream)
+                "POST", base + "/generate", counted(server, "http", self.generate, error_response)
+            )
+            route(
+                "POST",
+                base + "/generate_stream",
+                counted(server, "http", self.generate_stream, error_response),
             )
 
     async def _start(self, request: web.Request) -> tuple[Any, ...]:

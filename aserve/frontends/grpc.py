@@ -34,7 +34,8 @@ from aserve._proto import aserve_pb2_grpc, model_config_pb2
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
-from aserve.errors import AserveError, ErrorCode, InternalError
+from aserve.codecs.validate import check_elements
+from aserve.errors import AserveError, ErrorCode, InternalError, QueueFull
 from aserve.frontends.grpc_generate import SERVICE_NAME as GENERATION_SERVICE
 from aserve.frontends.grpc_generate import GenerationServicer, answer_decoupled
 from aserve.frontends.grpc_health import REFLECTED_SERVICES, Health, reflection_pool
@@ -183,6 +184,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             runtime.max_batch_size,
             runtime.variable_shapes,
         )
+        check_elements(decoded.inputs, self._server.config.limits.max_tensor_elements)
         timeout = decoded.timeout_s
         if deadline_s is not None:
             # Past the call's deadline nobody waits for the answer.
@@ -211,17 +213,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         started = perf_counter()
         record = self._server.metrics.requests.record
-        with self._frontend.serving():
-            try:
+        try:
+            self._frontend.check_capacity()
+            with self._frontend.serving(), self._server.admission:
                 response = await self._infer(request, context.time_remaining())
-            except asyncio.CancelledError:
-                record(self._served(request), "grpc", ErrorCode.CANCELLED.value, started)
-                raise
-            except Exception as exc:
-                error = _as_error(exc, "ModelInfer", request)
-                record(self._served(request), "grpc", error.code.value, started)
-                await context.abort(GRPC_STATUS[error.code], error.message)
-                raise AssertionError("unreachable: abort raises") from None
+        except asyncio.CancelledError:
+            record(self._served(request), "grpc", ErrorCode.CANCELLED.value, started)
+            raise
+        except Exception as exc:
+            error = _as_error(exc, "ModelInfer", request)
+            record(self._served(request), "grpc", error.code.value, started)
+            await context.abort(GRPC_STATUS[error.code], error.message)
+            raise AssertionError("unreachable: abort raises") from None
         record(self._served(request), "grpc", OK, started)
         return response
 
@@ -230,6 +233,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request_iterator: AsyncIterator[pb.ModelInferRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
+        try:
+            self._frontend.check_capacity()
+        except AserveError as exc:
+            await context.abort(GRPC_STATUS[exc.code], exc.message)
         with self._frontend.serving():
             await _Stream(self, context).run(request_iterator)
 
@@ -301,20 +308,18 @@ class _Stream:
             runtime = self._servicer._runtime(request.model_name, request.model_version)
         except AserveError:
             runtime = None  # _infer answers the error
+        server = self._servicer._server
         started = perf_counter()
-        record = self._servicer._server.metrics.requests.record
-        if isinstance(runtime, GenerationRuntime):
-            try:
-                status = await answer_decoupled(
-                    self, runtime, request, self._context.time_remaining()
-                )
-            except asyncio.CancelledError:
-                record(runtime, "grpc", ErrorCode.CANCELLED.value, started)
-                raise
-            record(runtime, "grpc", status, started)
-            return
+        record = server.metrics.requests.record
         try:
-            response = await self._servicer._infer(request, self._context.time_remaining())
+            with server.admission:  # each request of the stream counts
+                if isinstance(runtime, GenerationRuntime):
+                    status = await answer_decoupled(
+                        self, runtime, request, self._context.time_remaining()
+                    )
+                    record(runtime, "grpc", status, started)
+                    return
+                response = await self._servicer._infer(request, self._context.time_remaining())
         except asyncio.CancelledError:  # the stream is going away
             record(runtime, "grpc", ErrorCode.CANCELLED.value, started)
             raise
@@ -362,6 +367,7 @@ class GrpcFrontend:
         self.health = Health()
         self._grpc: grpc.aio.Server | None = None
         self.inflight = 0  # inference calls (unary and streams) being served
+        self._max_calls = server.config.limits.max_connections
         self._idle = asyncio.Event()
         self._idle.set()
         self.addresses: list[tuple[str, int]] = []
@@ -424,6 +430,17 @@ class GrpcFrontend:
         await self._grpc.stop(None)
         await graceful
         self._grpc = None
+
+    def check_capacity(self) -> None:
+        """Raise :class:`QueueFull` when ``limits.max_connections`` inference calls
+        are in flight. Call right before ``serving()``, with no await between."""
+        if self._max_calls is not None and self.inflight >= self._max_calls:
+            rejected = self._server.metrics.requests.rejected
+            rejected["max_connections"] = rejected.get("max_connections", 0) + 1
+            raise QueueFull(
+                f"server has {self.inflight} gRPC inference calls in flight, its limit "
+                f"limits.max_connections is {self._max_calls}; retry later"
+            )
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[None]:

@@ -81,8 +81,13 @@ class GenerationServicer(apb_grpc.GenerationServicer):
         started = perf_counter()
         runtime: GenerationRuntime | None = None
         status = ErrorCode.CANCELLED.value  # unless it ends otherwise
-        with self._frontend.serving():
+        try:
             try:
+                self._frontend.check_capacity()
+            except AserveError as exc:
+                status = exc.code.value
+                await context.abort(GRPC_STATUS[exc.code], exc.message)
+            with self._frontend.serving(), self._server.admission:
                 try:
                     runtime = generation_runtime(
                         self._server.registry, request.model_name, request.model_version
@@ -108,8 +113,11 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                         status = error.code.value
                         await context.abort(GRPC_STATUS[error.code], error.message)
                 status = OK
-            finally:
-                self._server.metrics.requests.record(runtime, "grpc", status, started)
+        except AserveError as exc:  # refused by the admission (limits.max_concurrency)
+            status = exc.code.value
+            await context.abort(GRPC_STATUS[exc.code], exc.message)
+        finally:
+            self._server.metrics.requests.record(runtime, "grpc", status, started)
 
 
 def _prompt(request: apb.GenerateRequest) -> tuple[str | list[int] | None, list[dict] | None]:

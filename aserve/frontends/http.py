@@ -20,7 +20,9 @@ from aiohttp import web
 
 from aserve import __version__
 from aserve.codecs.v2 import decode_request, encode_response
+from aserve.codecs.validate import check_elements
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
+from aserve.frontends.http_limits import limit_connections
 from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, counted
 from aserve.frontends.status import HTTP_STATUS
 
@@ -59,6 +61,7 @@ class HttpFrontend:
         self._server = server
         cfg = server.config
         self._max_body = cfg.limits.max_request_bytes
+        self._max_elements = cfg.limits.max_tensor_elements
         self._app = web.Application(client_max_size=self._max_body)
         self._add_routes()
         self._runner = web.AppRunner(
@@ -77,6 +80,9 @@ class HttpFrontend:
     async def start(self) -> None:
         cfg = self._server.config.http
         await self._runner.setup()
+        limit = self._server.config.limits.max_connections
+        if limit is not None:
+            limit_connections(self._runner.server, limit, self._server.metrics.requests.rejected)
         self._site = web.TCPSite(self._runner, cfg.host, cfg.port, reuse_address=True)
         await self._site.start()
         server = self._site._server
@@ -94,7 +100,7 @@ class HttpFrontend:
     def _add_routes(self) -> None:
         r = self._app.router
         model = "/v2/models/{model}"
-        requests = self._server.metrics.requests
+        server = self._server
         version = "/v2/models/{model}/versions/{version}"
 
         def route(method: str, path: str, handler: Any) -> None:
@@ -111,7 +117,7 @@ class HttpFrontend:
             route("GET", base, self._model_metadata)
             route("GET", base + "/ready", self._model_ready)
             route("GET", base + "/stats", self._stats)
-            route("POST", base + "/infer", counted(requests, "http", self._infer))
+            route("POST", base + "/infer", counted(server, "http", self._infer, error_response))
         from aserve.frontends.generate import add_generation_routes  # it imports this module
 
         add_generation_routes(route, self._server)  # OpenAI API, Triton generate
@@ -221,6 +227,7 @@ class HttpFrontend:
             runtime.max_batch_size,
             runtime.variable_shapes,
         )
+        check_elements(decoded.inputs, self._max_elements)
         timeout = decoded.timeout_s
         header_timeout = headers.get(TIMEOUT_HEADER)
         if header_timeout is not None:

@@ -1,7 +1,8 @@
-"""``GET /metrics`` and the request counting of the HTTP routes (on the loop).
+"""``GET /metrics`` and the admission and counting of the HTTP inference routes (on the loop).
 
-:func:`counted` wraps an inference handler: when it returns (or is cancelled
-because the client went away) one request is counted under the runtime the
+:func:`counted` wraps an inference handler: it enters the server's
+admission (``limits.max_concurrency``) for as long as the handler runs, and
+when it returns (or is cancelled because the client went away) one request is counted under the runtime the
 handler stored in ``request[RUNTIME_KEY]`` and the status its response says.
 A streamed response that failed after its first byte says so in
 ``request[STATUS_KEY]``, since its HTTP status was already 200.
@@ -17,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-from aserve.errors import ErrorCode
+from aserve.errors import AserveError, ErrorCode
 from aserve.frontends.status import STATUS
-from aserve.metrics import OK, RequestMetrics
+from aserve.metrics import OK
 
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server
@@ -43,16 +44,29 @@ def status_label(http_status: int) -> str:
     return (ErrorCode.INTERNAL if http_status >= 500 else ErrorCode.INVALID_ARGUMENT).value
 
 
-def counted(requests: RequestMetrics, protocol: str, handler: _Handler) -> _Handler:
-    """``handler``, counting each request it answers under ``protocol``."""
+def counted(
+    server: Server,
+    protocol: str,
+    handler: _Handler,
+    refuse: Callable[[AserveError], web.StreamResponse],
+) -> _Handler:
+    """``handler`` as an inference route: admitted under ``limits.max_concurrency``
+    (a refusal is answered by ``refuse``, the route's own error format) and
+    counted under ``protocol`` once answered."""
+    requests = server.metrics.requests
+    admission = server.admission
 
     async def counting(request: web.Request) -> web.StreamResponse:
         started = perf_counter()
         try:
-            response = await handler(request)
+            with admission:
+                response = await handler(request)
         except asyncio.CancelledError:
             requests.record(request.get(RUNTIME_KEY), protocol, ErrorCode.CANCELLED.value, started)
             raise
+        except AserveError as exc:  # refused by the admission
+            requests.record(None, protocol, exc.code.value, started)
+            return refuse(exc)
         except Exception:
             requests.record(request.get(RUNTIME_KEY), protocol, ErrorCode.INTERNAL.value, started)
             raise

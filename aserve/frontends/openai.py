@@ -116,9 +116,15 @@ class OpenAIApi:
     def add_routes(self, route: Route) -> None:
         route("GET", "/v1/models", self.list_models)
         route("GET", "/v1/models/{model}", self.get_model)
-        requests = self._server.metrics.requests
-        route("POST", "/v1/completions", counted(requests, "openai", self.completions))
-        route("POST", "/v1/chat/completions", counted(requests, "openai", self.chat_completions))
+        server = self._server
+        route(
+            "POST", "/v1/completions", counted(server, "openai", self.completions, error_response)
+        )
+        route(
+            "POST",
+            "/v1/chat/completions",
+            counted(server, "openai", self.chat_completions, error_response),
+        )
 
     # --- models -----------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from aserve.config import ServerConfig
 from aserve.frontends.grpc import GrpcFrontend
 from aserve.frontends.http import HttpFrontend
+from aserve.loop.limits import Admission
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
 from aserve.loop.runtimes import create_runtime
@@ -49,6 +50,7 @@ class Server:
         self.registry = ModelRegistry()
         self.reloader = Reloader(self, source)
         self.metrics = Metrics(self)  # before the frontends, which count requests in it
+        self.admission = Admission(config.limits.max_concurrency, self.metrics.requests.rejected)
         self.http = HttpFrontend(self)
         self.grpc = GrpcFrontend(self) if config.grpc is not None else None
         self._stop_requested: asyncio.Event | None = None
