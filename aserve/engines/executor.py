@@ -55,31 +55,51 @@ _STOP = object()
 
 
 class ExecutorPool:
-    """``instances`` threads serving one engine."""
+    """``instances`` threads serving one engine, supervised from the loop.
+
+    A thread that dies (a ``BaseException`` from the engine, such as
+    ``SystemExit``, or anything escaping its loop) answers its batch in
+    flight with that error, tells the loop, and exits; the loop starts a
+    replacement, which creates its instance state afresh. Until every
+    instance is running again ``healthy`` is False, and the model reports
+    not ready. ``on_health`` (set by the owner) is called on the loop with
+    the new value each time it changes.
+    """
 
     def __init__(self, engine: Engine, instances: int, name: str) -> None:
         self.engine = engine
         self.instances = instances
         self.name = name
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        self._threads: dict[int, threading.Thread] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._down: set[int] = set()  # instances whose thread died and is not back yet
+        self._stopping = False
+        self.restarts = 0
+        self.on_health: Callable[[bool], Any] | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return not self._down
 
     async def start(self) -> None:
         """Start the instance threads; returns once each has created its instance state."""
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        ready = [loop.create_future() for _ in range(self.instances)]
-        for index, fut in enumerate(ready):
-            t = threading.Thread(
-                target=self._main_threadsafe,
-                args=(index, fut),
-                name=f"aserve-{self.name}-{index}",
-                daemon=True,  # a model stuck in native code must not keep the process alive
-            )
-            t.start()
-            self._threads.append(t)
-        await asyncio.gather(*ready)
+        self._loop = asyncio.get_running_loop()
+        await asyncio.gather(*(self._spawn(index) for index in range(self.instances)))
+
+    def _spawn(self, index: int) -> asyncio.Future[None]:
+        """Start the thread of instance ``index``; the future settles once it is ready."""
+        assert self._loop is not None
+        ready: asyncio.Future[None] = self._loop.create_future()
+        t = threading.Thread(
+            target=self._main_threadsafe,
+            args=(index, ready),
+            name=f"aserve-{self.name}-{index}",
+            daemon=True,  # a model stuck in native code must not keep the process alive
+        )
+        self._threads[index] = t
+        t.start()
+        return ready
 
     def submit(self, job: BatchJob) -> None:
         """Hand a batch to the next free instance (loop side, never blocks)."""
@@ -87,14 +107,50 @@ class ExecutorPool:
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Let the threads finish their current batch and exit."""
-        for _ in self._threads:
+        self._stopping = True
+        threads = list(self._threads.values())
+        for _ in threads:
             self._jobs.put(_STOP)
         deadline = time.monotonic() + timeout
-        for t in self._threads:
+        for t in threads:
             await asyncio.to_thread(t.join, max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 log.warning("executor thread %s did not stop within %.1fs", t.name, timeout)
         self._threads.clear()
+
+    # --- supervision (on the loop) ----------------------------------------------
+
+    def _on_thread_died(self, index: int, error: BaseException) -> None:
+        was_healthy = self.healthy
+        self._down.add(index)
+        self._threads.pop(index, None)
+        if self._stopping:
+            # It took a _STOP meant for itself with it; a thread still waiting
+            # for one would wait forever.
+            self._jobs.put(_STOP)
+            return
+        log.error("executor thread %d of '%s' died (%r); restarting it", index, self.name, error)
+        if was_healthy:
+            self._health_changed()
+        self.restarts += 1
+        self._spawn(index).add_done_callback(lambda fut: self._on_restarted(index, fut))
+
+    def _on_restarted(self, index: int, fut: asyncio.Future[None]) -> None:
+        error = fut.exception()
+        if error is not None:
+            # The instance cannot be created again: the model stays not ready.
+            log.error("executor thread %d of '%s' cannot restart: %r", index, self.name, error)
+            return
+        if self._stopping:
+            return
+        self._down.discard(index)
+        log.info("executor thread %d of '%s' is back", index, self.name)
+        if self.healthy:
+            self._health_changed()
+
+    def _health_changed(self) -> None:
+        if self.on_health is not None:
+            self.on_health(self.healthy)
 
     # --- executor-thread side -------------------------------------------------
 
@@ -103,29 +159,40 @@ class ExecutorPool:
         assert loop is not None
         try:
             instance = self.engine.create_instance(index)
-        except Exception as exc:  # reported to start(), which fails the model load
+        except BaseException as exc:  # reported to start(), which fails the model load
+            if not isinstance(exc, Exception):  # never re-raise SystemExit & co. on the loop
+                exc = RuntimeError(f"creating instance {index} raised {exc!r}")
             post_threadsafe(loop, _settle, ready, exc)
             return
         post_threadsafe(loop, _settle, ready, None)
 
         stack, check = self.engine.stack_inputs, self.engine.check_outputs
         perf = time.perf_counter_ns
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            t0 = perf()
-            try:
-                inputs = stack(job.parts)
-                t1 = perf()
-                outputs = self.engine.run(inputs, instance)
-                t2 = perf()
-                check(outputs, job.size)
-                job.outputs = outputs
-                job.input_ns, job.infer_ns = t1 - t0, t2 - t1
-            except Exception as exc:
+        job: Any = None
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is _STOP:
+                    return
+                t0 = perf()
+                try:
+                    inputs = stack(job.parts)
+                    t1 = perf()
+                    outputs = self.engine.run(inputs, instance)
+                    t2 = perf()
+                    check(outputs, job.size)
+                    job.outputs = outputs
+                    job.input_ns, job.infer_ns = t1 - t0, t2 - t1
+                except Exception as exc:
+                    job.error = exc
+                post_threadsafe(loop, job.on_done, job)
+                job = None
+        except BaseException as exc:  # the thread dies: answer its batch, then tell the loop
+            if isinstance(job, BatchJob):
+                job.outputs = None
                 job.error = exc
-            post_threadsafe(loop, job.on_done, job)
+                post_threadsafe(loop, job.on_done, job)
+            post_threadsafe(loop, self._on_thread_died, index, exc)
 
 
 def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:

@@ -126,9 +126,10 @@ class HandlerRuntime(ModelRuntime):
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._threads, fn, *args)
-        except AserveError:
+        except (AserveError, asyncio.CancelledError):
             raise
-        except Exception as exc:  # the user's code failed: only this request fails
+        except BaseException as exc:  # the user's code failed: only this request fails
+            # SystemExit & co. too: raised here, on the loop, they would stop the server.
             raise InternalError(
                 f"model '{self.label}' {stage} failed: {type(exc).__name__}: {exc}"
             ) from None

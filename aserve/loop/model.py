@@ -72,7 +72,8 @@ class ModelRuntime:
 
     @property
     def ready(self) -> bool:
-        return self.state is ModelState.READY
+        """READY, and every executor thread running (none is being restarted)."""
+        return self.state is ModelState.READY and (self._pool is None or self._pool.healthy)
 
     def model_path(self) -> Path | None:
         """Where the weights are; builds builtin models. Blocking: call off the loop."""
@@ -149,6 +150,10 @@ class ModelRuntime:
     def submit(self, req: InferenceRequest) -> None:
         if self.state is not ModelState.READY or self.batcher is None:
             raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+        if self._pool is not None and not self._pool.healthy:
+            raise Unavailable(
+                f"model '{self.label}' is not ready: an executor thread died and is restarting"
+            )
         self.batcher.submit(req)
 
     async def infer(

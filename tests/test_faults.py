@@ -1,0 +1,156 @@
+"""Executor threads that die are restarted; the batch in flight fails, nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+from conftest import ServerProcess, spec, start_server, write_config
+from reload_helpers import copy_handler, wait_log
+
+from aserve.engines.executor import BatchJob, ExecutorPool
+
+pytestmark = pytest.mark.timeout(60)
+
+MAGIC = -999.0
+
+
+@pytest.fixture(scope="module")
+def killer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("faults")
+    copy_handler(folder, "thread_killer")
+    model = {
+        "name": "killer", "engine": "python", "handler": "thread_killer:Killer",
+        "inputs": [spec("X", "FP32", [2])], "outputs": [spec("Y", "FP32", [2])],
+        "batching": {"max_batch_size": 1, "max_delay_ms": 0},
+    }  # fmt: skip
+    srv = start_server(write_config(folder, {"models": [model]}))
+    yield srv
+    srv.stop()
+
+
+def body(a: float, b: float = 1.0) -> dict[str, Any]:
+    return {"inputs": [{"name": "X", "shape": [1, 2], "datatype": "FP32", "data": [a, b]}]}
+
+
+async def infer(session: aiohttp.ClientSession, base: str, a: float) -> tuple[int, Any]:
+    async with session.post(f"{base}/v2/models/killer/infer", json=body(a)) as r:
+        return r.status, await r.json()
+
+
+async def wait_ready(session: aiohttp.ClientSession, base: str) -> None:
+    for _ in range(500):
+        async with session.get(f"{base}/v2/models/killer/ready") as r:
+            if r.status == 200:
+                return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the model never became ready again")
+
+
+async def test_a_dead_executor_thread_is_restarted(killer: ServerProcess) -> None:
+    base = killer.base
+    async with aiohttp.ClientSession() as session:
+        assert await infer(session, base, 1.0) == (200, _expected(1.0))
+        for _ in range(2):  # and again: the replacement is supervised too
+            status, doc = await infer(session, base, MAGIC)
+            assert status == 500
+            assert doc["error"] == "model 'killer/1' failed: killed on purpose"
+            await wait_ready(session, base)
+            assert await infer(session, base, 2.0) == (200, _expected(2.0))
+            wait_log(
+                killer,
+                "executor thread 0 of 'killer' died (SystemExit('killed on purpose')); restarting it",
+            )
+        for _ in range(500):  # the log arrives through a pipe
+            if killer.log_text().count("executor thread 0 of 'killer' is back") == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert killer.log_text().count("executor thread 0 of 'killer' is back") == 2
+
+        # A request sent beside the fatal one is answered either way: served (queued
+        # before the thread died, by the replacement) or refused while it restarts.
+        # test_pool_reports_unhealthy_until_the_thread_is_back pins the queued case.
+        (s1, _), (s2, doc2) = await asyncio.gather(
+            infer(session, base, MAGIC), infer(session, base, 3.0)
+        )
+        assert s1 == 500
+        assert (s2, doc2) == (200, _expected(3.0)) or (s2, doc2) == (503, {
+            "error": "model 'killer/1' is not ready: an executor thread died and is restarting"
+        })  # fmt: skip
+        await wait_ready(session, base)
+        async with session.get(f"{base}/v2/health/ready") as r:
+            assert r.status == 200
+    assert killer.proc.poll() is None  # the server lives on
+
+
+def _expected(a: float) -> dict[str, Any]:
+    return {"model_name": "killer", "model_version": "1",
+            "outputs": [{"name": "Y", "datatype": "FP32", "shape": [1, 2], "data": [2 * a, 2.0]}]}  # fmt: skip
+
+
+class _Engine:
+    """A stand-in engine: doubles X; dies with SystemExit on -999; its second
+    and later instances wait for ``gate`` before they exist."""
+
+    def __init__(self) -> None:
+        self.created = 0
+        self.gate = threading.Event()
+
+    def create_instance(self, index: int) -> int:
+        self.created += 1
+        if self.created > 1:
+            self.gate.wait(10)
+        return index
+
+    def stack_inputs(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        return {"X": np.concatenate([p["X"] for p in parts])}
+
+    def check_outputs(self, outputs: dict[str, np.ndarray], batch_size: int) -> None:
+        pass
+
+    def run(self, inputs: dict[str, np.ndarray], instance: int) -> dict[str, np.ndarray]:
+        if np.any(inputs["X"] == MAGIC):
+            raise SystemExit("boom")
+        if np.any(inputs["X"] < 0):
+            raise ValueError("negative")
+        return {"Y": inputs["X"] * 2}
+
+
+async def _run(pool: ExecutorPool, x: float) -> BatchJob:
+    fut: asyncio.Future[BatchJob] = asyncio.get_running_loop().create_future()
+    pool.submit(BatchJob([{"X": np.array([x])}], 1, fut.set_result))
+    return await asyncio.wait_for(fut, 10)
+
+
+async def test_pool_reports_unhealthy_until_the_thread_is_back() -> None:
+    engine = _Engine()
+    pool = ExecutorPool(engine, 1, "stand-in")  # type: ignore[arg-type]
+    health: list[bool] = []
+    pool.on_health = health.append
+    await pool.start()
+    try:
+        assert pool.healthy
+        failed = await _run(pool, -1.0)  # an Exception fails the batch; the thread lives
+        assert isinstance(failed.error, ValueError) and pool.healthy and pool.restarts == 0
+        killed = await _run(pool, MAGIC)
+        assert isinstance(killed.error, SystemExit) and killed.outputs is None
+        for _ in range(200):
+            if not pool.healthy:
+                break
+            await asyncio.sleep(0.01)
+        assert not pool.healthy and health == [False] and pool.restarts == 1
+        queued = asyncio.ensure_future(_run(pool, 4.0))  # waits for the replacement
+        await asyncio.sleep(0.05)
+        assert not queued.done()
+        engine.gate.set()
+        job = await queued
+        assert job.error is None and job.outputs is not None and job.outputs["Y"][0] == 8.0
+        assert pool.healthy and health == [False, True]
+    finally:
+        engine.gate.set()
+        await pool.stop()
