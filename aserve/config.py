@@ -297,12 +297,45 @@ def _check_accelerator_fields(m: ModelConfig) -> None:
             )
 
 
+class AuthConfig(_Frozen):
+    """API keys that every request must carry (HTTP ``Authorization: Bearer KEY``,
+    gRPC metadata ``authorization: Bearer KEY``), but those to ``open_paths``.
+
+    The keys never appear in the config: they come from the environment
+    variable ``api_keys_env`` (comma-separated) and/or the file
+    ``api_keys_file`` (one per line, ``#`` comments; relative to the config's
+    folder). Both are read at startup.
+    """
+
+    api_keys_env: Annotated[str | None, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = None
+    api_keys_file: str | None = None
+    open_paths: list[str] = ["/v2/health/live", "/v2/health/ready", "/metrics"]
+    """HTTP paths served without a key; over gRPC, the health service
+    (``grpc.health.v1.Health``) is open while these include a health path."""
+
+    @model_validator(mode="after")
+    def _some_source(self) -> AuthConfig:
+        if self.api_keys_env is None and self.api_keys_file is None:
+            raise ValueError("set api_keys_env and/or api_keys_file (keys never go in the config)")
+        return self
+
+
+class TlsConfig(_Frozen):
+    """TLS for both frontends: a PEM certificate (chain) and its private key,
+    relative to the config's folder."""
+
+    cert_file: str
+    key_file: str
+
+
 class ServerConfig(_Frozen):
     """The whole server config (the JSON file)."""
 
     http: HttpConfig = HttpConfig()
     grpc: GrpcConfig | None = None  # absent: no gRPC frontend
     limits: LimitsConfig = LimitsConfig()
+    auth: AuthConfig | None = None  # absent: no API keys asked
+    tls: TlsConfig | None = None  # absent: plain HTTP and gRPC
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     models: list[ModelConfig] = []
 

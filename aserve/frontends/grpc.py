@@ -36,6 +36,7 @@ from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
 from aserve.codecs.validate import check_elements
 from aserve.errors import AserveError, ErrorCode, InternalError, QueueFull
+from aserve.frontends.auth import GrpcAuthInterceptor, grpc_server_credentials
 from aserve.frontends.grpc_generate import SERVICE_NAME as GENERATION_SERVICE
 from aserve.frontends.grpc_generate import GenerationServicer, answer_decoupled
 from aserve.frontends.grpc_health import REFLECTED_SERVICES, Health, reflection_pool
@@ -375,8 +376,14 @@ class GrpcFrontend:
     # --- lifecycle ------------------------------------------------------------
 
     async def start(self) -> None:
-        limits = self._server.config.limits
+        config = self._server.config
+        limits = config.limits
+        interceptors = []
+        if self._server.api_keys is not None:
+            assert config.auth is not None
+            interceptors.append(GrpcAuthInterceptor(self._server.api_keys, config.auth.open_paths))
         server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 # The limit is on what clients send (one message of a stream
                 # each); answers may be larger, as over HTTP.
@@ -385,7 +392,7 @@ class GrpcFrontend:
                 # grpc's default SO_REUSEPORT would let a second server bind
                 # the same port and silently share its traffic.
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
         )
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceServicer(self._server, self), server
@@ -401,7 +408,11 @@ class GrpcFrontend:
         host = self._config.host
         address = f"[{host}]:{self._config.port}" if ":" in host else f"{host}:{self._config.port}"
         try:
-            port = server.add_insecure_port(address)
+            if config.tls is None:
+                port = server.add_insecure_port(address)
+            else:
+                credentials = grpc_server_credentials(config.tls, self._server.base_dir)
+                port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:  # grpc's way of saying the bind failed
             raise OSError(f"gRPC cannot listen on {address}: {exc}") from None
         await server.start()

@@ -22,8 +22,10 @@ from aserve import __version__
 from aserve.codecs.v2 import decode_request, encode_response
 from aserve.codecs.validate import check_elements
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
+from aserve.frontends.auth import http_middleware, server_ssl_context
 from aserve.frontends.http_limits import limit_connections
 from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, counted
+from aserve.frontends.openapi import add_openapi_route
 from aserve.frontends.status import HTTP_STATUS
 
 if TYPE_CHECKING:
@@ -62,7 +64,11 @@ class HttpFrontend:
         cfg = server.config
         self._max_body = cfg.limits.max_request_bytes
         self._max_elements = cfg.limits.max_tensor_elements
-        self._app = web.Application(client_max_size=self._max_body)
+        middlewares = []
+        if server.api_keys is not None:
+            assert cfg.auth is not None
+            middlewares.append(http_middleware(server.api_keys, cfg.auth.open_paths))
+        self._app = web.Application(client_max_size=self._max_body, middlewares=middlewares)
         self._add_routes()
         self._runner = web.AppRunner(
             self._app,
@@ -83,13 +89,18 @@ class HttpFrontend:
         limit = self._server.config.limits.max_connections
         if limit is not None:
             limit_connections(self._runner.server, limit, self._server.metrics.requests.rejected)
-        self._site = web.TCPSite(self._runner, cfg.host, cfg.port, reuse_address=True)
+        tls = self._server.config.tls
+        ssl_context = None if tls is None else server_ssl_context(tls, self._server.base_dir)
+        self._site = web.TCPSite(
+            self._runner, cfg.host, cfg.port, reuse_address=True, ssl_context=ssl_context
+        )
         await self._site.start()
         server = self._site._server
         assert server is not None
         self.addresses = [s.getsockname()[:2] for s in server.sockets]  # type: ignore[attr-defined]
         for host, port in self.addresses:
-            log.info("HTTP (KServe V2 REST) listening on http://%s:%d", host, port)
+            scheme = "http" if ssl_context is None else "https"
+            log.info("HTTP (KServe V2 REST) listening on %s://%s:%d", scheme, host, port)
 
     async def stop(self) -> None:
         """Stop listening, let in-flight requests finish (up to the drain timeout), close."""
@@ -125,6 +136,7 @@ class HttpFrontend:
 
         add_admin_routes(route, self._server)
         add_metrics_route(route, self._server)
+        add_openapi_route(route)
         r.add_route("*", "/{tail:.*}", self._not_found)
 
     async def _method_not_allowed(self, request: web.Request) -> web.Response:

@@ -18,6 +18,7 @@ import signal
 from pathlib import Path
 
 from aserve.config import ServerConfig
+from aserve.frontends.auth import ApiKeys, load_api_keys
 from aserve.frontends.grpc import GrpcFrontend
 from aserve.frontends.http import HttpFrontend
 from aserve.loop.limits import Admission
@@ -48,6 +49,12 @@ class Server:
         self.base_dir = base_dir
         self.state = ServerState.STARTING
         self.registry = ModelRegistry()
+        self.api_keys: ApiKeys | None = None
+        if config.auth is not None:
+            try:
+                self.api_keys = load_api_keys(config.auth, base_dir)
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
         self.reloader = Reloader(self, source)
         self.metrics = Metrics(self)  # before the frontends, which count requests in it
         self.admission = Admission(config.limits.max_concurrency, self.metrics.requests.rejected)
