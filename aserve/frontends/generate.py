@@ -29,7 +29,7 @@ from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.validate import request_timeout
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge
 from aserve.frontends.http import error_response
-from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, counted
+from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
 from aserve.loop.generation import generation_runtime
 from aserve.streaming.channel import Delta
 from aserve.streaming.sse import SseResponse
@@ -98,12 +98,14 @@ class TritonGenerate:
         server = self._server
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             route(
-                "POST", base + "/generate", counted(server, "http", self.generate, error_response)
+                "POST",
+                base + "/generate",
+                inference_route(server, "http", self.generate, error_response),
             )
             route(
                 "POST",
                 base + "/generate_stream",
-                counted(server, "http", self.generate_stream, error_response),
+                inference_route(server, "http", self.generate_stream, error_response),
             )
 
     async def _start(self, request: web.Request) -> tuple[Any, ...]:

@@ -24,7 +24,7 @@ from aserve.codecs.validate import check_elements
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
 from aserve.frontends.auth import http_middleware, server_ssl_context
 from aserve.frontends.http_limits import limit_connections
-from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, counted
+from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, inference_route
 from aserve.frontends.openapi import add_openapi_route
 from aserve.frontends.status import HTTP_STATUS
 
@@ -128,7 +128,11 @@ class HttpFrontend:
             route("GET", base, self._model_metadata)
             route("GET", base + "/ready", self._model_ready)
             route("GET", base + "/stats", self._stats)
-            route("POST", base + "/infer", counted(server, "http", self._infer, error_response))
+            route(
+                "POST",
+                base + "/infer",
+                inference_route(server, "http", self._infer, error_response),
+            )
         from aserve.frontends.generate import add_generation_routes  # it imports this module
 
         add_generation_routes(route, self._server)  # OpenAI API, Triton generate

@@ -1,9 +1,10 @@
 """``GET /metrics`` and the admission and counting of the HTTP inference routes (on the loop).
 
-:func:`counted` wraps an inference handler: it enters the server's
+:func:`inference_route` wraps an inference handler: it enters the server's
 admission (``limits.max_concurrency``) for as long as the handler runs, and
-when it returns (or is cancelled because the client went away) one request is counted under the runtime the
-handler stored in ``request[RUNTIME_KEY]`` and the status its response says.
+when it returns (or is cancelled because the client went away) one request
+is counted under the runtime the handler stored in ``request[RUNTIME_KEY]``
+and the status its response says.
 A streamed response that failed after its first byte says so in
 ``request[STATUS_KEY]``, since its HTTP status was already 200.
 """
@@ -44,7 +45,7 @@ def status_label(http_status: int) -> str:
     return (ErrorCode.INTERNAL if http_status >= 500 else ErrorCode.INVALID_ARGUMENT).value
 
 
-def counted(
+def inference_route(
     server: Server,
     protocol: str,
     handler: _Handler,

@@ -35,7 +35,7 @@ from aiohttp import web
 from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.generate import Route, header_timeout, read_json_object, usage
-from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, counted
+from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.generation import GenerationRuntime, generation_runtime
 from aserve.streaming.channel import Delta
@@ -118,12 +118,14 @@ class OpenAIApi:
         route("GET", "/v1/models/{model}", self.get_model)
         server = self._server
         route(
-            "POST", "/v1/completions", counted(server, "openai", self.completions, error_response)
+            "POST",
+            "/v1/completions",
+            inference_route(server, "openai", self.completions, error_response),
         )
         route(
             "POST",
             "/v1/chat/completions",
-            counted(server, "openai", self.chat_completions, error_response),
+            inference_route(server, "openai", self.chat_completions, error_response),
         )
 
     # --- models -----------------------------------------------------------------
