@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 
 
@@ -19,13 +20,13 @@ class LatencyModel:
     estimates 0.0 and callers treat the model as "unknown".
     """
 
-    __slots__ = ("_alpha", "_max", "_measured", "_table")
+    __slots__ = ("_alpha", "_max", "_measured", "_sizes")
 
     def __init__(self, max_batch_size: int, alpha: float = 0.2) -> None:
         self._max = max_batch_size
         self._alpha = alpha
         self._measured: dict[int, float] = {}
-        self._table: list[float] | None = None
+        self._sizes: list[int] = []  # measured sizes, ascending
 
     @property
     def known(self) -> bool:
@@ -36,38 +37,33 @@ class LatencyModel:
         old = self._measured.get(size)
         if old is None:
             self._measured[size] = seconds
+            bisect.insort(self._sizes, size)
         else:
             # One outlier (a huge input on a variable-shape model, a stall) may
             # at most double or halve an estimate; a lasting change still wins
             # within a few batches.
             new = old + self._alpha * (seconds - old)
             self._measured[size] = min(max(new, old / 2), old * 2)
-        self._table = None
 
     def estimate(self, size: int) -> float:
-        if not self._measured:
+        # Called on every admission and every batching decision: a dict hit,
+        # else one bisect over the few measured sizes. Nothing is rebuilt.
+        measured = self._measured
+        hit = measured.get(size)
+        if hit is not None:
+            return hit
+        sizes = self._sizes
+        if not sizes:
             return 0.0
-        if self._table is None:
-            self._table = self._build()
-        return self._table[min(max(size, 1), self._max)]
-
-    def _build(self) -> list[float]:
-        sizes = sorted(self._measured)
-        table = [0.0] * (self._max + 1)
-        for s in range(1, self._max + 1):
-            if s in self._measured:
-                table[s] = self._measured[s]
-            elif s < sizes[0]:
-                table[s] = self._measured[sizes[0]]
-            elif s > sizes[-1]:
-                top = sizes[-1]
-                table[s] = self._measured[top] * s / top
-            else:
-                i = next(i for i, m in enumerate(sizes) if m > s)
-                lo, hi = sizes[i - 1], sizes[i]
-                frac = (s - lo) / (hi - lo)
-                table[s] = self._measured[lo] + frac * (self._measured[hi] - self._measured[lo])
-        return table
+        size = min(max(size, 1), self._max)
+        i = bisect.bisect_left(sizes, size)
+        if i == 0:
+            return measured[sizes[0]]
+        if i == len(sizes):
+            top = sizes[-1]
+            return measured[top] * size / top
+        lo, hi = sizes[i - 1], sizes[i]
+        return measured[lo] + (size - lo) / (hi - lo) * (measured[hi] - measured[lo])
 
     def snapshot(self) -> dict[int, float]:
         """Measured sizes and their estimates, for statistics and logs."""
