@@ -103,7 +103,7 @@ def build_all(folder: Path) -> dict[str, torch.nn.Module]:
     _script_save(affine, folder / "affine.pt")
     _script_save(mixed, folder / "mixed.pt")
     _script_save(Spin(), folder / "spin.pt")
-    _script_save(Spin(iters=15000), folder / "sleepy.pt")
+    _script_save(Spin(iters=30000), folder / "sleepy.pt")
     _script_save(Fussy(), folder / "fussy.pt")
     batch = Dim("batch", min=1, max=64)
     example = (torch.randn(2, 8), torch.randn(2, 8))
