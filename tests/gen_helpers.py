@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import lm_models
+
+# The generic statistics pollers, under the names the generation tests use.
+from helpers import stats as gen_stats  # noqa: F401
+from helpers import wait_for_stats as wait_gen  # noqa: F401
 
 # The prompt whose greedy continuation on "gpt2-eos" ends with an end token.
 EOS_PROMPT = "The quick brown fox"
@@ -48,26 +49,6 @@ def build_decoder_models(root: Path, lms: Path) -> dict[str, Any]:
         for name, path in (("gpt2", gpt2), ("llama", llama), ("gpt2-eos", eos_dir))
     ]
     return {"models": models, "eos_tokens": k + 1, "eos_text": engine.tokenizer.decode(ids[:k])}
-
-
-async def gen_stats(session: aiohttp.ClientSession, base: str, model: str) -> dict[str, Any]:
-    async with session.get(f"{base}/v2/models/{model}/stats") as r:
-        assert r.status == 200
-        return (await r.json())["model_stats"][0]
-
-
-async def wait_gen(
-    session: aiohttp.ClientSession, base: str, model: str, check: Any, timeout: float = 20.0
-) -> dict[str, Any]:
-    """Poll the model's statistics until ``check(stats)`` holds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = await gen_stats(session, base, model)
-        if check(s):
-            return s
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached; last stats: {s}")
-        await asyncio.sleep(0.01)
 
 
 def idle(s: dict[str, Any]) -> bool:
