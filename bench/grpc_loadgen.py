@@ -35,7 +35,7 @@ import grpc
 
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
-from bench.loadgen import LoadResult, percentile
+from bench.loadgen import LoadResult, percentile, timed_window
 
 _perf_ns = time.perf_counter_ns
 
@@ -136,17 +136,9 @@ async def run_load(
         for i in range(concurrency)
     ]
     try:
-        await asyncio.sleep(warmup_s)
-        if on_window_start is not None:
-            on_window_start()
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        window.recording = True
-        await asyncio.sleep(duration_s)
-        window.recording = False
-        cpu1, t1 = time.process_time(), time.perf_counter()
-        window.stopping = True
-        if on_window_end is not None:
-            on_window_end()
+        elapsed, cpu = await timed_window(
+            window, warmup_s, duration_s, on_window_start, on_window_end
+        )
         # Each worker finishes the call it has in flight, then stops.
         await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 30)
     finally:
@@ -156,7 +148,6 @@ async def run_load(
         for chan in chans:
             await chan.close()
 
-    elapsed = t1 - t0
     lat = sorted(ns / 1e6 for ns in window.latencies_ns)
     ok = len(lat)
     return LoadResult(
@@ -172,7 +163,7 @@ async def run_load(
         p99_ms=percentile(lat, 99),
         mean_ms=sum(lat) / ok if ok else math.nan,
         max_ms=lat[-1] if lat else math.nan,
-        client_cpu_util=(cpu1 - cpu0) / elapsed,
+        client_cpu_util=cpu / elapsed,
     )
 
 

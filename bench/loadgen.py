@@ -95,6 +95,32 @@ class _Window:
         self.statuses: dict[int, int] = {}
 
 
+async def timed_window(
+    window: Any,
+    warmup_s: float,
+    duration_s: float,
+    on_window_start: Callable[[], None] | None,
+    on_window_end: Callable[[], None] | None,
+) -> tuple[float, float]:
+    """Warm up, record for ``duration_s``, then tell the callers to stop.
+
+    ``window`` is any object with ``recording``/``stopping`` flags (one per load
+    generator). Returns the window's wall seconds and this process's CPU seconds.
+    """
+    await asyncio.sleep(warmup_s)
+    if on_window_start is not None:
+        on_window_start()
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    window.recording = True
+    await asyncio.sleep(duration_s)
+    window.recording = False
+    cpu1, t1 = time.process_time(), time.perf_counter()
+    window.stopping = True
+    if on_window_end is not None:
+        on_window_end()
+    return t1 - t0, cpu1 - cpu0
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection with one request in flight.
 
@@ -258,17 +284,9 @@ async def run_load(
 
     await asyncio.gather(*(connect() for _ in range(concurrency)))
     try:
-        await asyncio.sleep(warmup_s)
-        if on_window_start is not None:
-            on_window_start()
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        window.recording = True
-        await asyncio.sleep(duration_s)
-        window.recording = False
-        cpu1, t1 = time.process_time(), time.perf_counter()
-        window.stopping = True
-        if on_window_end is not None:
-            on_window_end()
+        elapsed, cpu = await timed_window(
+            window, warmup_s, duration_s, on_window_start, on_window_end
+        )
     finally:
         window.stopping = True
         for conn in conns:
@@ -276,7 +294,6 @@ async def run_load(
         for task in list(tasks):
             task.cancel()
 
-    elapsed = t1 - t0
     lat = sorted(ns / 1e6 for ns in window.latencies_ns)
     ok = len(lat)
     return LoadResult(
@@ -292,7 +309,7 @@ async def run_load(
         p99_ms=percentile(lat, 99),
         mean_ms=sum(lat) / ok if ok else math.nan,
         max_ms=lat[-1] if lat else math.nan,
-        client_cpu_util=(cpu1 - cpu0) / elapsed,
+        client_cpu_util=cpu / elapsed,
     )
 
 
