@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -35,6 +34,7 @@ import torch
 from bench import grpc_loadgen, loadgen
 from bench.models import MODELS, default_cache_dir, expected_output, model_file, sample_input
 from bench.proctree import system_busy_seconds, tree_cpu_seconds
+from bench.report import cpu_model
 from bench.run import wait_for_quiet
 from bench.servers import MODEL_ENV, ServerProcess, aserve_config, start_aserve
 
@@ -178,14 +178,6 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _cpu() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.grpc_row", description=__doc__.split("\n")[0])
     p.add_argument("--duration", type=float, default=8.0, help="measured seconds per point")
@@ -224,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "facts": {
             "command": " ".join(["python -m bench.grpc_row", *(argv or sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpu": _cpu(),
+            "cpu": cpu_model(),
             "cores": len(os.sched_getaffinity(0)),
             "python": sys.version.split()[0],
             "torch": torch.__version__,

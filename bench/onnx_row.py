@@ -39,6 +39,7 @@ import torch
 from bench import loadgen
 from bench.ceiling import measure
 from bench.models import MODELS, default_cache_dir, expected_output, model_file, sample_input
+from bench.report import cpu_model
 from bench.servers import MODEL_ENV, aserve_config, start_aserve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "facts": {
             "command": " ".join(["python -m bench.onnx_row", *(argv or sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpu": _cpu(),
+            "cpu": cpu_model(),
             "cores": len(os.sched_getaffinity(0)),
             "torch": torch.__version__,
             "onnxruntime": onnxruntime.__version__,
@@ -251,14 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "RESULTS-onnx.md").write_text(render(results))
     print(f"onnx_row: wrote {args.out_dir / 'RESULTS-onnx.md'}", file=sys.stderr)
     return 0
-
-
-def _cpu() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name, for the machine facts of every results file."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -48,7 +49,7 @@ def machine_facts(command: str) -> dict[str, Any]:
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "logical_cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),

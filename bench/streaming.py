@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -40,6 +39,7 @@ import torch
 from bench.loadgen import percentile
 from bench.models import default_cache_dir
 from bench.proctree import system_busy_seconds, tree_cpu_seconds
+from bench.report import cpu_model
 from bench.run import wait_for_quiet
 from bench.servers import MODEL_ENV, start_aserve
 
@@ -351,14 +351,6 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _cpu() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.streaming", description=__doc__.split("\n")[0]
@@ -437,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         "facts": {
             "command": " ".join(["python -m bench.streaming", *(argv or sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpu": _cpu(),
+            "cpu": cpu_model(),
             "cores": len(os.sched_getaffinity(0)),
             "python": sys.version.split()[0],
             "torch": torch.__version__,
