@@ -233,3 +233,17 @@ async def test_gzip_request_and_response(server, session, eager_models):
         body = await r.json()
     want = eager_models["affine"](torch.from_numpy(x[None])).detach().numpy().ravel()
     np.testing.assert_allclose(body["outputs"][0]["data"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["/v2/models/affine/infer", "/v2/repository/index"])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_body_that_does_not_decode_as_its_content_encoding_answers_400(
+    server, session, path, encoding
+):
+    # aiohttp raises RequestPayloadError from read(); it once escaped as a 500.
+    async with session.post(
+        server.base + path, data=b"not compressed at all", headers={"Content-Encoding": encoding}
+    ) as r:
+        assert r.status == 400
+        message = (await r.json())["error"]
+    assert "request body cannot be read" in message and encoding in message

@@ -27,8 +27,8 @@ from aiohttp import web
 
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.validate import request_timeout
-from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge
-from aserve.frontends.http import error_response
+from aserve.errors import AserveError, ErrorCode, InvalidArgument
+from aserve.frontends.http import error_response, read_body
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
 from aserve.loop.generation import generation_runtime
 from aserve.streaming.channel import Delta
@@ -48,10 +48,7 @@ Route = Callable[[str, str, Any], None]
 
 async def read_json_object(request: web.Request) -> dict[str, Any]:
     """The request body as a JSON object, or :class:`InvalidArgument` / :class:`TooLarge`."""
-    try:
-        body = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise TooLarge(f"request body is over the limit max_request_bytes ({exc.text})") from None
+    body = await read_body(request)
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

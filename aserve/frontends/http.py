@@ -222,12 +222,7 @@ class HttpFrontend:
             raise TooLarge(
                 f"request body is {length} bytes, over the limit max_request_bytes {self._max_body}"
             )
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise TooLarge(
-                f"request body is over the limit max_request_bytes {self._max_body}"
-            ) from None
+        body = await read_body(request)
         # Routing is looked up only now, with no await from here to the submit:
         # a runtime a reload takes out of routing is drained once its queue is
         # empty, so a request must not hold one across an await before queueing.
@@ -270,6 +265,22 @@ class HttpFrontend:
             payload = await _compress(payload, encoding)
             out_headers["Content-Encoding"] = encoding
         return web.Response(body=payload, content_type=content_type, headers=out_headers)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole request body, decoded as its Content-Encoding says.
+
+    Raises :class:`TooLarge` over ``limits.max_request_bytes`` and
+    :class:`InvalidArgument` when the body cannot be read: data that does not
+    decode as its Content-Encoding, or a body that ends early. aiohttp raises
+    those from ``read()``; uncaught, they would answer 500.
+    """
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise TooLarge(f"request body is over the limit max_request_bytes ({exc.text})") from None
+    except web.RequestPayloadError as exc:
+        raise InvalidArgument(f"request body cannot be read: {exc}") from None
 
 
 def _header_timeout(value: str) -> float:

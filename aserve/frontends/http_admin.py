@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from aserve.errors import AserveError, InvalidArgument
-from aserve.frontends.http import error_response, json_response
+from aserve.frontends.http import error_response, json_response, read_body
 
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server
@@ -78,7 +78,7 @@ def add_admin_routes(route: Route, server: Server) -> None:
 
 async def _body(request: web.Request) -> dict[str, Any]:
     """The request's JSON object; an empty body is ``{}``."""
-    raw = await request.read()
+    raw = await read_body(request)
     if not raw.strip():
         return {}
     try:
