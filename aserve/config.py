@@ -309,7 +309,13 @@ class AuthConfig(_Frozen):
 
     api_keys_env: Annotated[str | None, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = None
     api_keys_file: str | None = None
-    open_paths: list[str] = ["/v2/health/live", "/v2/health/ready", "/metrics"]
+    open_paths: list[str] = [
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/metrics",
+        "/",  # the dashboard page: no data in it
+        "/v2/dashboard/stats",  # what the dashboard polls: no more than /metrics says
+    ]
     """HTTP paths served without a key; over gRPC, the health service
     (``grpc.health.v1.Health``) is open while these include a health path."""
 

@@ -141,6 +141,9 @@ class HttpFrontend:
         add_admin_routes(route, self._server)
         add_metrics_route(route, self._server)
         add_openapi_route(route)
+        from aserve.frontends.http_dashboard import add_dashboard_routes  # it imports this module
+
+        add_dashboard_routes(route, self._server)
         r.add_route("*", "/{tail:.*}", self._not_found)
 
     async def _method_not_allowed(self, request: web.Request) -> web.Response:

@@ -210,6 +210,10 @@ def build_document() -> dict[str, Any]:
         },
         "/metrics": {"get": _op("Prometheus metrics", ok={"type": "string"}, ok_type="text/plain")},
         "/openapi.json": {"get": _op("This document")},
+        "/": {"get": _op("The live dashboard", {"type": "string"}, ok_type="text/html")},
+        "/v2/dashboard/stats": {
+            "get": _op("What the dashboard polls: counters and gauges per model, process, GPUs")
+        },
     }
     for versioned in (False, True):
         base = "/v2/models/{model}" + ("/versions/{version}" if versioned else "")

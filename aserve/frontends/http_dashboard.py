@@ -1,0 +1,152 @@
+"""``GET /``: the live dashboard, and ``GET /v2/dashboard/stats``, the JSON it polls (on the loop).
+
+The page is ``dashboard.html`` beside this module (package data): hand-written
+JS drawing SVG, no external assets, since the server may be offline. It is
+read once, when the routes are added, and served as bytes.
+
+The stats are cumulative counters and current gauges, stamped with the
+server's monotonic clock; the page diffs its successive polls into rates
+(requests/s, tokens/s, CPU), means (batch size) and windowed percentiles
+(latency, from histogram bucket deltas, as Prometheus' ``histogram_quantile``
+does). The server keeps no ring of recent samples: nothing runs while nobody
+watches, there is no background task to own, any number of pages can poll,
+and one poll costs a walk over the models and their request counters
+(microseconds). What that gives up: a page shows history from when it was
+opened, not before.
+
+Auth: ``/`` carries no data, and the stats say no more than ``/metrics``;
+both are in ``auth.open_paths`` by default, as ``/metrics`` is. An operator
+who closes the stats (lists ``open_paths`` without it) still has a usable
+page: on a 401 it asks for a key and sends it as ``Authorization: Bearer``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from aserve import __version__
+from aserve.frontends.http import json_response
+from aserve.metrics import OK
+from aserve.stats import LATENCY_BUCKETS_S
+
+if TYPE_CHECKING:
+    from aserve.loop.runtime import Server
+
+Route = Callable[[str, str, Any], None]
+
+PAGE_PATH = "/"
+STATS_PATH = "/v2/dashboard/stats"
+
+
+def add_dashboard_routes(route: Route, server: Server) -> None:
+    page = resources.files("aserve.frontends").joinpath("dashboard.html").read_bytes()
+
+    async def dashboard(request: web.Request) -> web.Response:
+        return web.Response(
+            body=page,
+            content_type="text/html",
+            charset="utf-8",
+            # The page only fetches its own origin's stats; nothing else may load.
+            headers={
+                "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                "style-src 'unsafe-inline'; connect-src 'self'; img-src data:",
+                "Cache-Control": "no-cache",
+            },
+        )
+
+    async def stats(request: web.Request) -> web.Response:
+        return json_response(dashboard_stats(server))
+
+    route("GET", PAGE_PATH, dashboard)
+    route("GET", STATS_PATH, stats)
+
+
+def dashboard_stats(server: Server) -> dict[str, Any]:
+    """One snapshot: cumulative counters and gauges per model, the process and its GPUs."""
+    # Answered requests per model version, all protocols: (all, not ok).
+    answered: dict[tuple[str, str], list[int]] = {}
+    for (model, version, _protocol, status), n in server.metrics.requests.counts.items():
+        entry = answered.setdefault((model, version), [0, 0])
+        entry[0] += n
+        if status != OK:
+            entry[1] += n
+    durations = server.metrics.requests.durations
+    models = []
+    for rt in sorted(server.registry, key=lambda rt: (rt.name, int(rt.version))):
+        key = (rt.name, rt.version)
+        doc = rt.statistics()
+        st = rt.stats
+        total, errors = answered.get(key, (0, 0))
+        latency = durations.get(key)
+        gen = doc.get("generation")
+        models.append(
+            {
+                "name": rt.name,
+                "version": rt.version,
+                "ready": rt.ready,
+                "requests": total,
+                "errors": errors,
+                # Successful requests' end-to-end latency, per bucket (not cumulative).
+                "latency_counts": list(latency.counts) if latency else None,
+                # Batches (decoders: engine steps) and the items in them (sequences).
+                "executions": st.execution_count,
+                "batch_items": st.inference_count,
+                "queued": doc["pending_request_count"],
+                "running": doc["running_batch_count"],
+                "generated_tokens": None if gen is None else gen["generated_tokens"],
+                "running_sequences": None if gen is None else gen["running_sequence_count"],
+            }
+        )
+    cpu_seconds, rss_bytes, rss_is_peak = process_usage()
+    return {
+        "version": __version__,
+        "t": time.monotonic(),  # what the page diffs against: rates use the server's clock
+        "time": time.time(),
+        "latency_bounds_s": LATENCY_BUCKETS_S,
+        "models": models,
+        "process": {
+            "cpu_seconds": cpu_seconds,
+            "cpu_count": os.cpu_count() or 1,
+            "rss_bytes": rss_bytes,
+            "rss_is_peak": rss_is_peak,
+        },
+        "gpus": [
+            {
+                "index": index,
+                "uuid": uuid,
+                "utilization": util,
+                "memory_used_bytes": used,
+                "memory_total_bytes": size,
+            }
+            for index, uuid, util, used, size in server.metrics.nvml.samples
+        ],
+    }
+
+
+def process_usage() -> tuple[float, int | None, bool]:
+    """(CPU seconds of every thread of the process, resident bytes, whether that is the peak).
+
+    Without a new dependency: ``time.process_time`` is portable; the current
+    RSS comes from ``/proc/self/statm`` (one small procfs read, microseconds)
+    where there is one, else the peak RSS from ``getrusage``, said to be one.
+    """
+    cpu = time.process_time()
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+        return cpu, pages * os.sysconf("SC_PAGE_SIZE"), False
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+    except ImportError:  # Windows
+        return cpu, None, False
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return cpu, peak if sys.platform == "darwin" else peak * 1024, True  # macOS: bytes, else KiB
