@@ -1,0 +1,292 @@
+"""The dashboard: ``GET /`` in real headless Chromium under live traffic, and its stats endpoint.
+
+The browser is the system's Chromium (Debian's ``chromium``), driven by
+playwright; playwright's own browser download is never used. Without
+Chromium the browser tests are skipped, saying why, except under CI
+(``CI=true``), where ``.ci/run`` installs it and its absence is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from conftest import ServerProcess, model_entry, spec, start_server, write_config
+from gen_helpers import GENERATION
+from helpers import sync_wait_for_stats
+from lm_models import tiny_model
+
+from aserve.config import AuthConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SCREENSHOT_COPY = Path(__file__).parent.parent / "test-output" / "dashboard.png"
+KEYS_ENV = "ASERVE_TEST_DASHBOARD_KEYS"
+AFFINE = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [1.0] * 16}]}
+AFFINE_BAD = {
+    "inputs": [{"name": "INPUT0", "shape": [1, 3], "datatype": "FP32", "data": [1.0] * 3}]
+}
+GENERATE = {"text_input": "Hello", "max_tokens": 8, "temperature": 0}
+
+
+def chromium() -> Any:
+    """playwright's ``sync_playwright``; skips (fails under CI) without it or without Chromium."""
+    missing = None
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing = "playwright is not installed (pip install -e '.[dev]')"
+    if not os.path.exists(CHROMIUM):
+        missing = f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium)"
+    if missing is None:
+        return sync_playwright
+    if os.environ.get("CI", "").lower() in ("1", "true"):
+        pytest.fail(f"{missing}; CI must have it: .ci/run installs it")
+    pytest.skip(missing)
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read()
+
+
+def post(url: str, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, data=orjson.dumps(doc), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, orjson.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, orjson.loads(exc.read())
+
+
+def stats(base: str) -> dict[str, Any]:
+    status, content_type, body = get(base + "/v2/dashboard/stats")
+    assert status == 200 and content_type.startswith("application/json")
+    return orjson.loads(body)
+
+
+def model(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(m for m in doc["models"] if m["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def dash_server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """affine (batched) and a tiny gpt2 decoder, so that every chart has something to show."""
+    folder = tmp_path_factory.mktemp("dashboard")
+    gpt2 = tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
+    models = [
+        model_entry(
+            "affine", str(model_dir / "affine.pt"), [spec("INPUT0", "FP32", [16])],
+            [spec("OUTPUT0", "FP32", [16])],
+            batching={"max_batch_size": 8, "max_delay_ms": 2.0},
+        ),
+        {"name": "gpt2", "engine": "decoder", "path": str(gpt2), "generation": GENERATION},
+    ]  # fmt: skip
+    srv = start_server(write_config(folder, {"models": models}))
+    yield srv
+    srv.stop()
+
+
+def test_stats_match_the_traffic(dash_server: ServerProcess) -> None:
+    base = dash_server.base
+    before = stats(base)
+    assert [post(base + "/v2/models/affine/infer", AFFINE)[0] for _ in range(6)] == [200] * 6
+    assert [post(base + "/v2/models/affine/infer", AFFINE_BAD)[0] for _ in range(2)] == [400] * 2
+    status, answer = post(base + "/v2/models/gpt2/generate", GENERATE)
+    assert status == 200
+    sync_wait_for_stats(base, "affine", lambda s: s["running_batch_count"] == 0)
+    sync_wait_for_stats(base, "gpt2", lambda s: s["generation"]["running_sequence_count"] == 0)
+    after = stats(base)
+
+    a0, a1 = model(before, "affine"), model(after, "affine")
+    assert (a1["version"], a1["ready"]) == ("1", True)
+    assert a1["requests"] - a0["requests"] == 8
+    assert a1["errors"] - a0["errors"] == 2
+    bounds = after["latency_bounds_s"]
+    assert len(a1["latency_counts"]) == len(bounds) + 1  # the last counts those over every bound
+    assert sum(a1["latency_counts"]) - sum(a0["latency_counts"] or [0]) == 6  # successes only
+    assert a1["batch_items"] - a0["batch_items"] == 6
+    assert 1 <= a1["executions"] - a0["executions"] <= 6
+    assert (a1["queued"], a1["running"]) == (0, 0)
+    assert a1["generated_tokens"] is None and a1["running_sequences"] is None
+
+    g0, g1 = model(before, "gpt2"), model(after, "gpt2")
+    assert g1["requests"] - g0["requests"] == 1 and g1["errors"] == g0["errors"]
+    tokens = answer["usage"]["completion_tokens"]
+    assert tokens > 0 and g1["generated_tokens"] - g0["generated_tokens"] == tokens
+    assert g1["running_sequences"] == 0
+
+    assert after["t"] > before["t"] and after["time"] >= before["time"]
+    proc = after["process"]
+    assert proc["cpu_seconds"] >= before["process"]["cpu_seconds"] > 0
+    assert proc["rss_bytes"] > 16 * 2**20 and proc["rss_is_peak"] is False  # /proc here
+    assert proc["cpu_count"] >= 1
+    assert isinstance(after["gpus"], list)  # entries only where NVML sees a GPU
+
+
+def test_page_is_self_contained(dash_server: ServerProcess) -> None:
+    status, content_type, body = get(dash_server.base + "/")
+    assert status == 200 and content_type.startswith("text/html")
+    page = body.decode()
+    assert "v2/dashboard/stats" in page and len(body) < 16 * 1024
+    # Nothing to fetch from elsewhere (the SVG namespace is a name, not a fetch).
+    rest = page.replace('"http://www.w3.org/2000/svg"', "")
+    assert re.search(r"https?://|//[a-z]|\b(src|href)\s*=|@import|url\(", rest, re.I) is None
+
+
+def test_dashboard_and_stats_are_open_by_default() -> None:
+    defaults = AuthConfig(api_keys_env="X").open_paths
+    assert "/" in defaults and "/v2/dashboard/stats" in defaults and "/metrics" in defaults
+
+
+@pytest.fixture
+def traffic(dash_server: ServerProcess) -> Iterator[list[str]]:
+    """Steady inference traffic (affine from 3 threads, gpt2 from 1) until the test ends;
+    yields the failed answers."""
+    stop = threading.Event()
+    failures: list[str] = []
+    base = dash_server.base
+
+    def send(path: str, doc: dict[str, Any]) -> None:
+        deadline = time.monotonic() + 60  # bounded in time and count, whatever the test does
+        for _ in range(20_000):
+            if stop.is_set() or time.monotonic() > deadline:
+                return
+            status, answer = post(base + path, doc)
+            if status != 200:
+                failures.append(f"{path}: {status} {answer}")
+            time.sleep(0.005)
+
+    threads = [
+        threading.Thread(target=send, args=("/v2/models/affine/infer", AFFINE), daemon=True)
+        for _ in range(3)
+    ]
+    threads.append(
+        threading.Thread(target=send, args=("/v2/models/gpt2/generate", GENERATE), daemon=True)
+    )
+    for t in threads:
+        t.start()
+    yield failures
+    stop.set()
+    for t in threads:
+        t.join(10)
+
+
+# Charts whose latest point must be > 0 while traffic flows; the queue's may be 0.
+BUSY = ["process cpu", "process rss", "affine/1 rps", "affine/1 latency", "affine/1 batch",
+        "gpt2/1 rps", "gpt2/1 latency", "gpt2/1 batch", "gpt2/1 tokens"]  # fmt: skip
+_CHARTS_JS = """() => [...document.querySelectorAll('svg[data-chart]')].map(e => ({
+    id: e.dataset.chart, samples: +(e.dataset.samples || 0), last: e.dataset.last || '',
+    lines: [...e.querySelectorAll('path.line')].map(p => p.getAttribute('d') || '')}))"""
+_BUSY_JS = """(busy) => busy.every(id => {
+    const e = document.querySelector(`svg[data-chart="${id}"]`);
+    return e && +e.dataset.samples >= 4 && +e.dataset.last > 0;
+})"""
+
+
+def test_dashboard_shows_live_traffic(
+    dash_server: ServerProcess, traffic: list[str], tmp_path: Path
+) -> None:
+    sync_playwright = chromium()
+    problems: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+            page.on(
+                "console",
+                lambda m: problems.append(f"console: {m.text}") if m.type == "error" else None,
+            )
+            page.goto(dash_server.base + "/")
+            page.wait_for_function(_BUSY_JS, arg=BUSY, timeout=45_000, polling=200)
+            charts = {c["id"]: c for c in page.evaluate(_CHARTS_JS)}
+            status_line = page.inner_text("#status")
+            shot = tmp_path / "dashboard.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    SCREENSHOT_COPY.parent.mkdir(exist_ok=True)
+    shutil.copyfile(shot, SCREENSHOT_COPY)
+
+    assert problems == [] and traffic == []
+    assert status_line.startswith("updated")
+    for id in BUSY:
+        c = charts[id]
+        assert c["samples"] >= 4 and float(c["last"]) > 0, c
+        assert re.search(r"^M[\d.]+,[\d.]+L", c["lines"][0]), c  # a drawn line of points
+    assert float(charts["affine/1 batch"]["last"]) >= 1
+    for name in ("affine/1", "gpt2/1"):
+        assert charts[f"{name} queue"]["samples"] >= 2
+    assert "affine/1 tokens" not in charts  # tokens/s only for decoder models
+    assert shot.stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def keyed_server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """API keys, with only the page open: the stats need a key."""
+    folder = tmp_path_factory.mktemp("dashboard-keyed")
+    models = [
+        model_entry("affine", str(model_dir / "affine.pt"), [spec("INPUT0", "FP32", [16])],
+                    [spec("OUTPUT0", "FP32", [16])]),
+    ]  # fmt: skip
+    config = {
+        "auth": {"api_keys_env": KEYS_ENV, "open_paths": ["/v2/health/ready", "/"]},
+        "models": models,
+    }
+    srv = start_server(write_config(folder, config), extra_env={KEYS_ENV: "dash-key"})
+    yield srv
+    srv.stop()
+
+
+def test_closed_stats_need_a_key_the_page_asks_for(keyed_server: ServerProcess) -> None:
+    base = keyed_server.base
+    assert get(base + "/")[0] == 200
+    assert get(base + "/v2/dashboard/stats")[0] == 401
+    status, _, body = get(base + "/v2/dashboard/stats", {"Authorization": "Bearer dash-key"})
+    assert status == 200 and model(orjson.loads(body), "affine")["ready"]
+
+    sync_playwright = chromium()
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page()
+            page.goto(base + "/")
+            page.wait_for_selector("#auth:not([hidden])", timeout=15_000)
+            assert page.inner_text("#status") == "API key needed"
+            page.fill("#key", "dash-key")
+            page.click("#auth button")
+            page.wait_for_function(_BUSY_JS, arg=["process rss"], timeout=15_000, polling=200)
+            assert page.is_hidden("#auth")
+            assert page.locator('svg[data-chart="affine/1 rps"]').count() == 1
+        finally:
+            browser.close()
