@@ -496,22 +496,27 @@ class _Pool:
     # requests
 
     def submit(self, ask: _Ask) -> None:
+        """Send ``ask`` now on an idle connection, or on a new one once it is open."""
         t = self.tally
+        conn = None
+        while self.free and conn is None:
+            conn = self.free.pop()
+            if conn.closed:
+                conn = None
+        if conn is None and len(self.open) + self.opening >= self.max_connections:
+            if ask.counted:
+                t.not_sent += 1
+            ask.ended = True
+            return
         if ask.counted:
+            t.sent += 1
             t.pending += 1
             self.drained.clear()
         if self.deadline_s is not None:
             left = self.deadline_s - (_perf_ns() - ask.due_ns) / 1e9
             ask.timer = self.loop.call_later(max(left, 0.0), self._expired, ask)
-        while self.free:
-            conn = self.free.pop()
-            if not conn.closed:
-                conn.send(ask)
-                return
-        if len(self.open) + self.opening >= self.max_connections:
-            self._end(ask)
-            if ask.counted:
-                t.not_sent += 1
+        if conn is not None:
+            conn.send(ask)
             return
         self.waiting.append(ask)
         self.opening += 1
@@ -550,10 +555,8 @@ class _Pool:
         self.free.append(conn)
 
     def sent(self, ask: _Ask) -> None:
-        lag = _perf_ns() - ask.due_ns
-        if ask.counted:
-            self.tally.sent += 1
-            self.tally.lag_ns.append(lag)
+        if ask.counted:  # written to a connection: how far behind its schedule
+            self.tally.lag_ns.append(_perf_ns() - ask.due_ns)
 
     def _end(self, ask: _Ask) -> bool:
         """Mark ``ask`` ended; False when it already was (each is accounted once)."""
@@ -618,7 +621,7 @@ class OpenLoopResult:
     rate: float  # offered requests per second
     duration_s: float  # the window in which requests were sent
     deadline_ms: float | None
-    sent: int  # requests sent in the window
+    sent: int  # requests due in the window and sent (or waiting for a connection to open)
     not_sent: int  # due in the window but max_connections were all busy
     ok_in_time: int  # 200 by the deadline
     late: int  # given up at the deadline, or 200 after it

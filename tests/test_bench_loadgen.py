@@ -92,15 +92,15 @@ async def test_closed_loop_counts_answers_and_errors(server: Server) -> None:
 
 async def test_open_loop_keeps_the_rate_and_answers_in_time(server: Server) -> None:
     r = await run_open_loop(
-        server.url + "/ok", BODY, rate=200, duration_s=1.0, warmup_s=0.2, deadline_ms=200,
+        server.url + "/ok", BODY, rate=300, duration_s=0.6, warmup_s=0.1, deadline_ms=200,
         probe_url=server.url + "/health",
     )  # fmt: skip
     # The arrival rate is the schedule's, not the server's pace.
-    assert 160 <= r.sent <= 240, r
+    assert 150 <= r.sent <= 210, r
     assert r.ok_in_time == r.sent and r.late == r.refused == r.failed == r.lost == 0
     assert r.in_time_share == 1.0 and r.admitted_in_time_share == 1.0
     assert r.goodput_rps == pytest.approx(r.sent / r.duration_s)
-    assert r.probe is not None and r.probe["count"] >= 5 and r.probe["errors"] == 0
+    assert r.probe is not None and r.probe["count"] >= 3 and r.probe["errors"] == 0
 
 
 async def test_open_loop_gives_up_at_the_deadline(server: Server) -> None:
@@ -130,7 +130,7 @@ async def test_open_loop_counts_refusals_apart_from_admitted(server: Server) -> 
 
 async def test_open_loop_does_not_exceed_max_connections(server: Server) -> None:
     r = await run_open_loop(
-        server.url + "/slow", BODY, rate=40, duration_s=0.5, warmup_s=0.0, deadline_ms=1000,
+        server.url + "/slow", BODY, rate=40, duration_s=0.5, warmup_s=0.0, deadline_ms=600,
         max_connections=2,
     )  # fmt: skip
     assert r.peak_connections <= 2
