@@ -155,6 +155,10 @@ class GenerationConfig(_Frozen):
     stream_buffer_chunks: Annotated[int, Field(ge=1)] = 32
     """Steps of output a stream's reader may leave unread before its sequence
     is paused: it keeps its slot but is not decoded until the reader catches up."""
+    step_process: bool = True
+    """Run the engine's steps in a child process of its own (its own GIL), so
+    the server's HTTP and gRPC work never slows a step down; false runs them
+    on a thread of the server process (less memory, one process fewer)."""
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> GenerationConfig:

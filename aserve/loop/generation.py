@@ -31,6 +31,7 @@ from aserve.config import ModelConfig, TensorSpec
 from aserve.engines.decoder import DecoderEngine, SamplingParams, Tokenizer
 from aserve.engines.decoder import Sequence as EngineSequence
 from aserve.engines.step_executor import StepExecutor
+from aserve.engines.step_process import ProcessStepExecutor, WorkerArgs
 from aserve.errors import InvalidArgument, Unavailable
 from aserve.loop.model import ModelState
 from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
@@ -71,12 +72,16 @@ class GenerationRuntime:
         self.variable_shapes = False
         self._base_dir = base_dir
         self._engine: DecoderEngine | None = None
-        self._executor: StepExecutor | None = None
+        self._executor: StepExecutor | ProcessStepExecutor | None = None
         self.batcher: ContinuousBatcher | None = None
         self._preparing = 0  # requests tokenizing in a worker thread
 
     @property
     def ready(self) -> bool:
+        """Loaded, and its step process (if it has one) is up, not being restarted."""
+        executor = self._executor
+        if isinstance(executor, ProcessStepExecutor) and not executor.alive:
+            return False
         return self.state is ModelState.READY
 
     @property
@@ -95,17 +100,31 @@ class GenerationRuntime:
         assert c.path is not None  # the config requires one for a decoder model
         path = (self._base_dir / c.path).resolve()
         engine = DecoderEngine(path, c.generation, c.device, c.dtype, c.cpu_threads)
-        await asyncio.to_thread(engine.load)
+        executor: StepExecutor | ProcessStepExecutor
+        if c.generation.step_process:
+            # The weights live in the child; this process keeps the tokenizer.
+            await asyncio.to_thread(engine.load_front)
+            args = WorkerArgs(
+                str(path), c.generation.model_dump(), c.device, c.dtype, c.cpu_threads, self.name
+            )
+            executor = ProcessStepExecutor(args, on_lost=self._on_sequences_lost)
+        else:
+            await asyncio.to_thread(engine.load)
+            executor = StepExecutor(engine, self.name)
         self._engine = engine
-        self._executor = StepExecutor(engine, self.name)
-        await self._executor.start()
-        self.batcher = ContinuousBatcher(self.label, c.generation, self._executor, self.stats)
+        await executor.start()
+        self._executor = executor
+        self.batcher = ContinuousBatcher(self.label, c.generation, executor, self.stats)
         self.state = ModelState.READY
         log.info(
             "model %s loaded from %s on %s (decoder, %d slots x %d tokens, %.2fs)",
             self.label, path, c.device, c.generation.max_num_seqs,
             c.generation.max_model_len, time.perf_counter() - t0,
         )  # fmt: skip
+
+    def _on_sequences_lost(self, error: BaseException) -> None:
+        if self.batcher is not None:
+            self.batcher.fail_running(error)
 
     # --- requests ---------------------------------------------------------------
 

@@ -387,6 +387,14 @@ class ContinuousBatcher:
         self._timer = None
         self._kick()
 
+    def fail_running(self, error: BaseException) -> None:
+        """The engine lost every started sequence (its step process died):
+        end each running request; new ones are admitted as usual."""
+        failure = InternalError(f"model '{self.label}' failed: {error}")
+        for req in list(self._running.values()):
+            self._end(req, failure)
+        self._kick()
+
     # --- shutdown -------------------------------------------------------------
 
     def close(self) -> None:

@@ -10,6 +10,9 @@ Thread contract (the same spirit as :class:`aserve.engines.base.Engine`):
   engine state, so the scheduler may call it wherever it prepares a request
   (it tokenizes a text prompt, which takes longer than the loop should wait
   for a long prompt).
+- ``load_front`` loads only what ``new_sequence`` needs (the tokenizer and
+  the model's shape): the server process's view of an engine whose steps run
+  in a child process (:mod:`aserve.engines.step_process`).
 
 The continuous batcher calls ``step(new, running)`` repeatedly: it prefills
 the new sequences (their first token comes from the prefill) and runs one
@@ -27,10 +30,12 @@ from pathlib import Path
 import torch
 
 from aserve.config import GenerationConfig
+from aserve.engines.decoder.checkpoint import read_spec
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel, resolve_dtype
 from aserve.engines.decoder.sampling import SamplingParams, make_generator, sample
 from aserve.engines.decoder.sequence import Sequence, StepOutput
+from aserve.engines.decoder.spec import ModelSpec
 from aserve.engines.decoder.stop import StopMatcher
 from aserve.engines.decoder.tokenizer import Tokenizer
 from aserve.errors import InvalidArgument
@@ -53,6 +58,7 @@ class DecoderEngine:
         self.dtype = resolve_dtype(dtype)
         self.cpu_threads = cpu_threads
         self._model: DecoderModel | None = None
+        self._spec: ModelSpec | None = None
         self._tokenizer: Tokenizer | None = None
         self._cache: KVCache | None = None
 
@@ -65,6 +71,7 @@ class DecoderEngine:
         gen = self.generation
         cache = model.new_cache(gen.max_num_seqs, gen.max_model_len)
         self._model, self._tokenizer, self._cache = model, tokenizer, cache
+        self._spec = model.spec
         self._warm_up()
         log.info(
             "loaded %s (%s, %d layers) on %s: KV cache %d x %d tokens, %.1f MiB",
@@ -77,6 +84,12 @@ class DecoderEngine:
             cache.nbytes / 2**20,
         )
 
+    def load_front(self) -> None:
+        """Load the tokenizer and the model's shape, no weights: enough for
+        ``new_sequence``, not for ``step``."""
+        self._spec = read_spec(self.model_path)
+        self._tokenizer = Tokenizer.load(self.model_path)
+
     def create_instance(self, index: int) -> None:
         """Per-thread settings; call on the executor thread before the first step."""
         if index != 0:
@@ -85,7 +98,7 @@ class DecoderEngine:
         torch.set_num_threads(self.cpu_threads)
 
     def unload(self) -> None:
-        self._model = self._tokenizer = self._cache = None
+        self._model = self._tokenizer = self._cache = self._spec = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -94,6 +107,12 @@ class DecoderEngine:
         if self._model is None:
             raise RuntimeError("the decoder engine is not loaded")
         return self._model
+
+    @property
+    def spec(self) -> ModelSpec:
+        if self._spec is None:
+            raise RuntimeError("the decoder engine is not loaded")
+        return self._spec
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -130,7 +149,7 @@ class DecoderEngine:
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidArgument("prompt: is empty (no tokens)")
-        vocab = self.model.spec.vocab_size
+        vocab = self.spec.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidArgument(f"prompt: token id {bad} is out of range (vocabulary {vocab})")
@@ -147,14 +166,28 @@ class DecoderEngine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= tok.eos_token_ids
+        return self.build_sequence(
+            request_id, ids, params, min(wanted, gen.max_model_len - len(ids)), stop_ids
+        )
+
+    def build_sequence(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stop_token_ids: Iterable[int],
+    ) -> Sequence:
+        """A sequence from settings ``new_sequence`` has already validated
+        (the step process rebuilds the server's sequences with it)."""
         return Sequence(
             request_id=request_id,
-            prompt_ids=ids,
+            prompt_ids=prompt_ids,
             params=params,
-            max_tokens=min(wanted, gen.max_model_len - len(ids)),
-            stop_token_ids=frozenset(stop_ids),
+            max_tokens=max_tokens,
+            stop_token_ids=frozenset(stop_token_ids),
             generator=make_generator(params.seed),
-            detokenizer=tok.detokenizer(ids),
+            detokenizer=self.tokenizer.detokenizer(prompt_ids),
             stop=StopMatcher(params.stop),
         )
 

@@ -1,0 +1,123 @@
+"""A decoder model's steps in a child process: same tokens as on a thread, and
+a child that dies is replaced while the server goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import psutil
+import pytest
+from conftest import ServerProcess, start_server, write_config
+from gen_helpers import GENERATION, gen_stats, idle, wait_gen
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def two_ways(
+    decoder_models: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """gpt2 served twice: steps in a child process (the default) and on a thread."""
+    gpt2 = next(m for m in decoder_models["models"] if m["name"] == "gpt2")
+    models = [
+        {**gpt2, "name": "proc"},
+        {**gpt2, "name": "thread", "generation": {**GENERATION, "step_process": False}},
+    ]
+    folder = tmp_path_factory.mktemp("step-process")
+    srv = start_server(write_config(folder, {"models": models}))
+    yield srv
+    srv.stop()
+
+
+def step_children(srv: ServerProcess) -> list[psutil.Process]:
+    """The server's step processes (multiprocessing's spawned children)."""
+    return [
+        p
+        for p in psutil.Process(srv.proc.pid).children()
+        if "multiprocessing" in " ".join(p.cmdline())
+        and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+
+
+async def complete(session: aiohttp.ClientSession, base: str, model: str, prompt: str) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    async with session.post(base + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        return (await r.json())["choices"][0]["text"]
+
+
+async def test_process_and_thread_give_the_same_tokens(two_ways: ServerProcess) -> None:
+    assert len(step_children(two_ways)) == 1  # only "proc" has a child
+    prompts = ["Hello", "The quick brown fox", "server streams tokens"]
+    async with aiohttp.ClientSession() as session:
+        for prompt in prompts:
+            assert await complete(session, two_ways.base, "proc", prompt) == await complete(
+                session, two_ways.base, "thread", prompt
+            )
+
+
+async def test_killed_step_process_fails_its_streams_and_comes_back(
+    two_ways: ServerProcess,
+) -> None:
+    base = two_ways.base
+    async with aiohttp.ClientSession() as session:
+        want = await complete(session, base, "proc", "Hello")
+        (child,) = step_children(two_ways)
+        body = {"model": "proc", "prompt": "Hi", "max_tokens": 120, "stream": True}
+        body["ignore_eos"] = True
+        async with session.post(base + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            await r.content.readuntil(b"\n\n")  # the stream is running
+            os.kill(child.pid, signal.SIGKILL)
+            events = (await asyncio.wait_for(r.content.read(), 20)).split(b"\n\n")
+        # The stream ends with an error event naming what happened, not a hang.
+        docs = [orjson.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+        assert "step process" in docs[-1]["error"]["message"]
+        # A new child is started; until then the model is not ready.
+        deadline = time.monotonic() + 30
+        while True:
+            async with session.get(base + "/v2/models/proc/ready") as ready:
+                if ready.status == 200:
+                    break
+            assert time.monotonic() < deadline, "the step process did not come back"
+            await asyncio.sleep(0.1)
+        (new_child,) = step_children(two_ways)
+        assert new_child.pid != child.pid
+        assert await complete(session, base, "proc", "Hello") == want
+        after = await wait_gen(session, base, "proc", idle)
+        assert after["generation"]["kv_slots_in_use"] == 0
+        # The other model never noticed.
+        assert (await gen_stats(session, base, "thread"))["generation"][
+            "running_sequence_count"
+        ] == 0
+
+
+def test_weights_that_fail_in_the_child_fail_the_start_with_the_reason(
+    decoder_models: dict[str, Any], tmp_path: Path
+) -> None:
+    gpt2 = next(m for m in decoder_models["models"] if m["name"] == "gpt2")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in Path(gpt2["path"]).iterdir():
+        data = b"not a safetensors file" if f.suffix == ".safetensors" else f.read_bytes()
+        (broken / f.name).write_bytes(data)
+    config = write_config(tmp_path, {"models": [{**gpt2, "path": str(broken)}]})
+    done = subprocess.run(
+        [sys.executable, "-m", "aserve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "model 'gpt2/1' failed to load" in done.stderr
+    assert "safetensorerror" in done.stderr.lower()  # the child's own reason
