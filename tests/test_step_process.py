@@ -14,13 +14,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import orjson
 import psutil
 import pytest
 from conftest import ServerProcess, start_server, write_config
 from gen_helpers import GENERATION, gen_stats, idle, wait_gen
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 pytestmark = pytest.mark.timeout(90)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +39,7 @@ def two_ways(
         {**gpt2, "name": "thread", "generation": {**GENERATION, "step_process": False}},
     ]
     folder = tmp_path_factory.mktemp("step-process")
-    srv = start_server(write_config(folder, {"models": models}))
+    srv = start_server(write_config(folder, {"grpc": {"port": 0}, "models": models}))
     yield srv
     srv.stop()
 
@@ -47,6 +52,18 @@ def step_children(srv: ServerProcess) -> list[psutil.Process]:
         if "multiprocessing" in " ".join(p.cmdline())
         and "resource_tracker" not in " ".join(p.cmdline())
     ]
+
+
+async def health_changes(target: str, service: str) -> list[int]:
+    """Statuses a Health.Watch of ``service`` reports, until it is back to SERVING."""
+    seen: list[int] = []
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        async for answer in stub.Watch(health_pb2.HealthCheckRequest(service=service)):
+            seen.append(answer.status)
+            if answer.status == SERVING and NOT_SERVING in seen:
+                return seen
+    return seen
 
 
 async def complete(session: aiohttp.ClientSession, base: str, model: str, prompt: str) -> str:
@@ -73,6 +90,8 @@ async def test_killed_step_process_fails_its_streams_and_comes_back(
     async with aiohttp.ClientSession() as session:
         want = await complete(session, base, "proc", "Hello")
         (child,) = step_children(two_ways)
+        watch = asyncio.create_task(health_changes(two_ways.grpc_url, "proc"))
+        await asyncio.sleep(0.5)  # the watch has its first answer (SERVING)
         body = {"model": "proc", "prompt": "Hi", "max_tokens": 120, "stream": True}
         body["ignore_eos"] = True
         async with session.post(base + "/v1/completions", json=body) as r:
@@ -91,6 +110,8 @@ async def test_killed_step_process_fails_its_streams_and_comes_back(
                     break
             assert time.monotonic() < deadline, "the step process did not come back"
             await asyncio.sleep(0.1)
+        # gRPC health watchers heard it go down and come back.
+        assert await asyncio.wait_for(watch, 30) == [SERVING, NOT_SERVING, SERVING]
         (new_child,) = step_children(two_ways)
         assert new_child.pid != child.pid
         assert await complete(session, base, "proc", "Hello") == want

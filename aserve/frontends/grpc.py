@@ -357,6 +357,10 @@ def _bool_parameter(request: pb.ModelInferRequest, key: str) -> bool:
     )
 
 
+# How often model readiness is looked at for the health service (see _watch_readiness).
+_READINESS_POLL_S = 0.2
+
+
 class GrpcFrontend:
     """The grpc.aio server: its listeners, services and graceful stop."""
 
@@ -372,6 +376,7 @@ class GrpcFrontend:
         self._idle = asyncio.Event()
         self._idle.set()
         self.addresses: list[tuple[str, int]] = []
+        self._watcher: asyncio.Task[None] | None = None
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -418,15 +423,31 @@ class GrpcFrontend:
         await server.start()
         self._grpc = server
         self.addresses = [(host, port)]
+        self._watcher = asyncio.create_task(self._watch_readiness())
         log.info("gRPC (KServe V2) listening on %s:%d", host, port)
 
     async def update_health(self) -> None:
         """Report readiness again (the server's or a model's changed)."""
         await self.health.update(self._server.not_ready_reason() is None, self._server.registry)
 
+    async def _watch_readiness(self) -> None:
+        """A model also turns not ready, and back, with no event here (an
+        executor thread or step process being restarted): look a few times a
+        second and report what changed, so health watchers hear of it."""
+        last = None
+        while True:
+            await asyncio.sleep(_READINESS_POLL_S)
+            now = tuple((rt.label, rt.ready) for rt in self._server.registry)
+            if last is not None and now != last:
+                await self.update_health()
+            last = now
+
     async def stop(self) -> None:
         """Drain: health turns NOT_SERVING, new calls are refused, in-flight
         inference finishes (up to the drain timeout), then the rest is cancelled."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
         await self.health.draining()
         if self._grpc is None:
             return
