@@ -170,3 +170,13 @@ def test_bytes_shape_that_lies_is_refused_before_allocating():
                                        "parameters": {"binary_data_size": 8}}]})  # fmt: skip
     with pytest.raises(InvalidArgument, match="too short"):
         decode(header + b"\x00" * 8, specs("BYTES", (-1,)), ihcl=str(len(header)))
+
+
+def test_bytes_data_nested_a_thousand_deep_is_refused_not_a_recursion_error():
+    # orjson reads lists nested up to 1024 deep; flattening them once recursed (a 500).
+    data = b"[" * 1020 + b'"a", "b", [["c"]]' + b"]" * 1020
+    body = (
+        b'{"inputs": [{"name": "T", "shape": [1, 2], "datatype": "BYTES", "data": ' + data + b"}]}"
+    )
+    with pytest.raises(InvalidArgument, match="has 3 elements, shape"):
+        decode(body, specs("BYTES"))

@@ -204,11 +204,17 @@ def _from_json(name: str, datatype: str, shape: list[int], count: int, data: Any
 
 
 def _flatten(items: Iterable[Any]) -> Iterable[Any]:
-    for x in items:
-        if isinstance(x, list):
-            yield from _flatten(x)
-        else:
+    """The leaves of nested lists, in order. A loop, not recursion: JSON may nest
+    lists a thousand deep (orjson's limit), past Python's recursion limit."""
+    stack = [iter(items)]
+    while stack:
+        for x in stack[-1]:
+            if isinstance(x, list):
+                stack.append(iter(x))
+                break
             yield x
+        else:
+            stack.pop()
 
 
 def _requested_outputs(
