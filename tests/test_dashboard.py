@@ -249,12 +249,28 @@ def test_dashboard_shows_live_traffic(
     assert shot.stat().st_size > 10_000
 
 
+# A stand-in for pynvml (nvidia-ml-py), imported by the server from PYTHONPATH:
+# one GPU, 40% busy, 3 of 8 GiB used, so that the GPU charts are drawn without one.
+FAKE_PYNVML = """
+from types import SimpleNamespace
+def nvmlInit(): pass
+def nvmlShutdown(): pass
+def nvmlDeviceGetCount(): return 1
+def nvmlDeviceGetHandleByIndex(i): return i
+def nvmlDeviceGetUUID(handle): return "GPU-stand-in"
+def nvmlDeviceGetUtilizationRates(handle): return SimpleNamespace(gpu=40)
+def nvmlDeviceGetMemoryInfo(handle): return SimpleNamespace(used=3 << 30, total=8 << 30)
+"""
+
+
 @pytest.fixture(scope="module")
 def keyed_server(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """API keys, with only the page open: the stats need a key."""
+    """API keys, with only the page open (the stats need a key), and a stand-in GPU."""
     folder = tmp_path_factory.mktemp("dashboard-keyed")
+    (folder / "pynvml.py").write_text(FAKE_PYNVML)
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p)
     models = [
         model_entry("affine", str(model_dir / "affine.pt"), [spec("INPUT0", "FP32", [16])],
                     [spec("OUTPUT0", "FP32", [16])]),
@@ -263,17 +279,31 @@ def keyed_server(
         "auth": {"api_keys_env": KEYS_ENV, "open_paths": ["/v2/health/ready", "/"]},
         "models": models,
     }
-    srv = start_server(write_config(folder, config), extra_env={KEYS_ENV: "dash-key"})
+    srv = start_server(
+        write_config(folder, config), extra_env={KEYS_ENV: "dash-key", "PYTHONPATH": path}
+    )
     yield srv
     srv.stop()
 
 
-def test_closed_stats_need_a_key_the_page_asks_for(keyed_server: ServerProcess) -> None:
+def test_closed_stats_need_a_key_the_page_asks_for(
+    keyed_server: ServerProcess, tmp_path: Path
+) -> None:
     base = keyed_server.base
     assert get(base + "/")[0] == 200
     assert get(base + "/v2/dashboard/stats")[0] == 401
     status, _, body = get(base + "/v2/dashboard/stats", {"Authorization": "Bearer dash-key"})
-    assert status == 200 and model(orjson.loads(body), "affine")["ready"]
+    doc = orjson.loads(body)
+    assert status == 200 and model(doc, "affine")["ready"]
+    assert doc["gpus"] == [
+        {
+            "index": "0",
+            "uuid": "GPU-stand-in",
+            "utilization": 0.4,
+            "memory_used_bytes": 3 << 30,
+            "memory_total_bytes": 8 << 30,
+        }
+    ]
 
     sync_playwright = chromium()
     with sync_playwright() as pw:
@@ -285,8 +315,14 @@ def test_closed_stats_need_a_key_the_page_asks_for(keyed_server: ServerProcess) 
             assert page.inner_text("#status") == "API key needed"
             page.fill("#key", "dash-key")
             page.click("#auth button")
-            page.wait_for_function(_BUSY_JS, arg=["process rss"], timeout=15_000, polling=200)
+            busy = ["process rss", "gpu0 util", "gpu0 memory"]
+            page.wait_for_function(_BUSY_JS, arg=busy, timeout=15_000, polling=200)
             assert page.is_hidden("#auth")
             assert page.locator('svg[data-chart="affine/1 rps"]').count() == 1
+            charts = {c["id"]: c for c in page.evaluate(_CHARTS_JS)}
+            assert float(charts["gpu0 util"]["last"]) == 40
+            assert float(charts["gpu0 memory"]["last"]) == 3  # GiB
+            assert "of 8" in page.inner_text("#proc")
+            page.screenshot(path=str(tmp_path / "dashboard-gpu.png"), full_page=True)
         finally:
             browser.close()
