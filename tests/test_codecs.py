@@ -174,7 +174,7 @@ def test_bytes_shape_that_lies_is_refused_before_allocating():
 
 def test_bytes_data_nested_a_thousand_deep_is_refused_not_a_recursion_error():
     # orjson reads lists nested up to 1024 deep; flattening them once recursed (a 500).
-    data = b"[" * 1020 + b'"a", "b", [["c"]]' + b"]" * 1020
+    data = b"[" * 1015 + b'"a", "b", [["c"]]' + b"]" * 1015
     body = (
         b'{"inputs": [{"name": "T", "shape": [1, 2], "datatype": "BYTES", "data": ' + data + b"}]}"
     )
