@@ -338,6 +338,21 @@ class TlsConfig(_Frozen):
     key_file: str
 
 
+class GpuConfig(_Frozen):
+    """Memory of each CUDA device the models use (the ``"gpu"`` block).
+
+    Applied through torch's caching allocator, in the server process and in
+    every step process; ignored (with a log line) where torch sees no GPU.
+    """
+
+    mem_limit_mib: Annotated[int | None, Field(ge=1)] = None
+    """Most memory torch may hold on each device. An allocation past it fails
+    with torch's out-of-memory error, which fails that batch or step only."""
+    empty_cache_interval_s: Annotated[float | None, Field(gt=0)] = None
+    """How often cached blocks no tensor uses go back to the driver
+    (``torch.cuda.empty_cache``), for other processes on the same GPU."""
+
+
 class ServerConfig(_Frozen):
     """The whole server config (the JSON file)."""
 
@@ -347,6 +362,7 @@ class ServerConfig(_Frozen):
     auth: AuthConfig | None = None  # absent: no API keys asked
     tls: TlsConfig | None = None  # absent: plain HTTP and gRPC
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
+    gpu: GpuConfig = GpuConfig()
     models: list[ModelConfig] = []
 
     @model_validator(mode="after")

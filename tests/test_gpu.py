@@ -163,3 +163,26 @@ def test_unload_gives_the_gpu_memory_back(model_dir):
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated(0) <= base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
+def test_gpu_mem_limit_refuses_memory_past_the_cap():
+    # In its own process: the cap holds for the whole process that sets it.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from aserve.config import GpuConfig\n"
+        "from aserve.engines.gpu_memory import apply_memory_limit\n"
+        "apply_memory_limit(torch.cuda, GpuConfig(mem_limit_mib=256), [0])\n"
+        "small = torch.empty(64 * 2**20 // 4, device='cuda:0')\n"
+        "try:\n"
+        "    torch.empty(512 * 2**20 // 4, device='cuda:0')\n"
+        "    print('ALLOCATED')\n"
+        "except torch.cuda.OutOfMemoryError:\n"
+        "    print('REFUSED')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "REFUSED", done.stderr

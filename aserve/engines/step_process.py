@@ -40,8 +40,9 @@ from typing import Any
 
 import msgpack
 
-from aserve.config import GenerationConfig
+from aserve.config import GenerationConfig, GpuConfig
 from aserve.engines.decoder import DecoderEngine, SamplingParams, Sequence, StepOutput
+from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit
 from aserve.engines.step_executor import StepJob
 
 log = logging.getLogger("aserve.executor")
@@ -59,6 +60,7 @@ class WorkerArgs:
     dtype: str
     cpu_threads: int
     name: str
+    gpu: dict[str, Any] = dataclasses.field(default_factory=dict)  # the "gpu" block
 
 
 class StepProcessError(RuntimeError):
@@ -295,7 +297,14 @@ def worker_main(conn: Connection, args: WorkerArgs) -> None:
         args.dtype,
         args.cpu_threads,
     )
+    releaser = None
     try:
+        if engine.device.type == "cuda":
+            # The memory cap is per process: apply the server's here too.
+            gpu = GpuConfig(**args.gpu)
+            apply_memory_limit(torch.cuda, gpu, [engine.device.index or 0])
+            if gpu.empty_cache_interval_s is not None:
+                releaser = CacheReleaser(torch.cuda, gpu.empty_cache_interval_s)
         engine.load()
         engine.create_instance(0)
     except Exception as exc:
@@ -303,12 +312,12 @@ def worker_main(conn: Connection, args: WorkerArgs) -> None:
         return
     conn.send_bytes(msgpack.packb(("ready",)))
     try:
-        _serve(conn, engine)
+        _serve(conn, engine, releaser)
     except (EOFError, OSError):
         pass  # the server has gone
 
 
-def _serve(conn: Connection, engine: DecoderEngine) -> None:
+def _serve(conn: Connection, engine: DecoderEngine, releaser: CacheReleaser | None) -> None:
     seqs: dict[int, Sequence] = {}
     perf = time.perf_counter_ns
     while True:
@@ -357,6 +366,8 @@ def _serve(conn: Connection, engine: DecoderEngine) -> None:
                 )
             )
         conn.send_bytes(msgpack.packb(("step", answer, infer_ns)))
+        if releaser is not None:
+            releaser.maybe()  # after answering: the release is off the step's latency
 
 
 def _lookup(seqs: dict[int, Sequence], key: int) -> Sequence:

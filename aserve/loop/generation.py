@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aserve.codecs.sampling import sampling_from_parameters
-from aserve.config import ModelConfig, TensorSpec
+from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines.decoder import DecoderEngine, SamplingParams, Tokenizer
 from aserve.engines.decoder import Sequence as EngineSequence
 from aserve.engines.step_executor import StepExecutor
@@ -54,8 +54,9 @@ _INLINE_PROMPT_CHARS = 2048
 class GenerationRuntime:
     """A decoder model version; its request path runs on the loop."""
 
-    def __init__(self, config: ModelConfig, base_dir: Path) -> None:
+    def __init__(self, config: ModelConfig, base_dir: Path, gpu: GpuConfig | None = None) -> None:
         self.config = config
+        self.gpu = gpu or GpuConfig()  # the server's "gpu" block, for the step process
         self.name = config.name
         self.version = config.version
         self.label = f"{config.name}/{config.version}"
@@ -105,8 +106,9 @@ class GenerationRuntime:
             # The weights live in the child; this process keeps the tokenizer.
             await asyncio.to_thread(engine.load_front)
             args = WorkerArgs(
-                str(path), c.generation.model_dump(), c.device, c.dtype, c.cpu_threads, self.name
-            )
+                str(path), c.generation.model_dump(), c.device, c.dtype, c.cpu_threads, self.name,
+                gpu=self.gpu.model_dump(),
+            )  # fmt: skip
             executor = ProcessStepExecutor(args, on_lost=self._on_sequences_lost)
         else:
             await asyncio.to_thread(engine.load)

@@ -14,7 +14,7 @@ before the swap changes nothing: the new runtimes are unloaded, the old
 config stays in force, and the error (with its JSON path) is logged and kept
 in :class:`ReloadStatus` for ``GET /v2/config/status``.
 
-Sections that only a restart can apply (listeners, limits, drain timeout)
+Sections that only a restart can apply (listeners, limits, drain timeout, gpu)
 are compared with what the server started with and reported, not applied.
 """
 
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("aserve.reload")
 
 # Top-level config keys that need a restart: listeners, and limits the listeners were built with.
-RESTART_KEYS = ("http", "grpc", "limits", "auth", "tls", "drain_timeout_s")
+RESTART_KEYS = ("http", "grpc", "limits", "auth", "tls", "drain_timeout_s", "gpu")
 
 
 @dataclass(frozen=True)
@@ -375,7 +375,9 @@ class Reloader:
                 continue
             else:
                 continue
-            fresh.append((new, create_runtime(new, server.base_dir, server.registry)))
+            fresh.append(
+                (new, create_runtime(new, server.base_dir, server.registry, server.config.gpu))
+            )
         removed = [rt for key, rt in current.items() if key not in want]
         changes.removed = [rt.label for rt in removed]
 

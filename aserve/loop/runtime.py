@@ -18,6 +18,7 @@ import signal
 from pathlib import Path
 
 from aserve.config import ServerConfig
+from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit, cuda_indices, gpu_present
 from aserve.frontends.auth import ApiKeys, load_api_keys
 from aserve.frontends.grpc import GrpcFrontend
 from aserve.frontends.http import HttpFrontend
@@ -61,6 +62,7 @@ class Server:
         self.http = HttpFrontend(self)
         self.grpc = GrpcFrontend(self) if config.grpc is not None else None
         self._stop_requested: asyncio.Event | None = None
+        self._cache_releaser: asyncio.Task[None] | None = None
 
     def not_ready_reason(self) -> str | None:
         """Why the server is not ready, or None when it is."""
@@ -71,7 +73,11 @@ class Server:
 
     async def start(self) -> None:
         """Load and warm every model, then open the listeners."""
-        runtimes = [create_runtime(m, self.base_dir, self.registry) for m in self.config.models]
+        self._apply_gpu_settings()
+        runtimes = [
+            create_runtime(m, self.base_dir, self.registry, self.config.gpu)
+            for m in self.config.models
+        ]
         results = await asyncio.gather(*(rt.load() for rt in runtimes), return_exceptions=True)
         failed = [
             f"model '{rt.label}' failed to load: {result}"
@@ -137,8 +143,26 @@ class Server:
         await self.reloader.finish_retiring()
         await self._unload_all()
         await self.metrics.stop()
+        if self._cache_releaser is not None:
+            self._cache_releaser.cancel()
         self.state = ServerState.STOPPED
         log.info("stopped")
+
+    def _apply_gpu_settings(self) -> None:
+        """The ``"gpu"`` block, for the devices the configured models use. (A
+        device first used by a model added in a reload is capped at the next start.)"""
+        gpu = self.config.gpu
+        if gpu.mem_limit_mib is None and gpu.empty_cache_interval_s is None:
+            return
+        if not gpu_present():
+            log.info("gpu settings not applied: torch sees no CUDA device")
+            return
+        import torch
+
+        apply_memory_limit(torch.cuda, gpu, cuda_indices(m.device for m in self.config.models))
+        if gpu.empty_cache_interval_s is not None:
+            releaser = CacheReleaser(torch.cuda, gpu.empty_cache_interval_s)
+            self._cache_releaser = asyncio.create_task(releaser.run())
 
     async def _unload_all(self) -> None:
         for rt in reversed(self.registry.swap(remove=list(self.registry))):

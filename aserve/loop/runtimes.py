@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aserve.config import ModelConfig
+from aserve.config import GpuConfig, ModelConfig
 from aserve.loop.model import ModelRuntime
 from aserve.loop.registry import ModelRegistry
 
 
-def create_runtime(config: ModelConfig, base_dir: Path, registry: ModelRegistry) -> ModelRuntime:
-    """A runtime for ``config``, not loaded yet (cheap: loads nothing)."""
+def create_runtime(
+    config: ModelConfig, base_dir: Path, registry: ModelRegistry, gpu: GpuConfig | None = None
+) -> ModelRuntime:
+    """A runtime for ``config``, not loaded yet (cheap: loads nothing). ``gpu``
+    is the server's "gpu" block, which a decoder's step process applies itself."""
     if config.engine == "python":
         from aserve.loop.handler_model import HandlerRuntime
 
@@ -22,5 +25,5 @@ def create_runtime(config: ModelConfig, base_dir: Path, registry: ModelRegistry)
     if config.engine == "decoder":
         from aserve.loop.generation import GenerationRuntime
 
-        return GenerationRuntime(config, base_dir)  # type: ignore[return-value]
+        return GenerationRuntime(config, base_dir, gpu)  # type: ignore[return-value]
     return ModelRuntime(config, base_dir)
