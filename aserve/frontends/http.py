@@ -38,6 +38,13 @@ TIMEOUT_HEADER = "aserve-timeout-ms"
 IHCL = "Inference-Header-Content-Length"
 _JSON = "application/json"
 _COMPRESS_OVER_BYTES = 64 * 1024  # larger bodies are compressed off the loop
+# Request bodies aserve inflates itself (see read_body); the zlib window bits of each.
+_INFLATE_WBITS = {
+    "gzip": 16 + zlib.MAX_WBITS,
+    "x-gzip": 16 + zlib.MAX_WBITS,
+    "deflate": zlib.MAX_WBITS,
+}
+MAX_BODY_KEY = web.AppKey("aserve_max_request_bytes", int)
 
 
 def error_response(error: AserveError) -> web.Response:
@@ -69,6 +76,7 @@ class HttpFrontend:
             assert cfg.auth is not None
             middlewares.append(http_middleware(server.api_keys, cfg.auth.open_paths))
         self._app = web.Application(client_max_size=self._max_body, middlewares=middlewares)
+        self._app[MAX_BODY_KEY] = self._max_body
         self._add_routes()
         self._runner = web.AppRunner(
             self._app,
@@ -76,6 +84,7 @@ class HttpFrontend:
             access_log=None,  # per-request logging costs more than a tiny model
             handler_cancellation=True,  # a client that goes away cancels its handler
             shutdown_timeout=cfg.drain_timeout_s,
+            auto_decompress=False,  # read_body inflates: errors answer JSON, the limit holds
         )
         self._site: web.TCPSite | None = None
         self.inflight = 0
@@ -271,19 +280,47 @@ class HttpFrontend:
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The whole request body, decoded as its Content-Encoding says.
+    """The whole request body, inflated as its Content-Encoding says (gzip, deflate).
 
-    Raises :class:`TooLarge` over ``limits.max_request_bytes`` and
-    :class:`InvalidArgument` when the body cannot be read: data that does not
-    decode as its Content-Encoding, or a body that ends early. aiohttp raises
-    those from ``read()``; uncaught, they would answer 500.
+    Raises :class:`TooLarge` when the body, or what it inflates to, is over
+    ``limits.max_request_bytes``, and :class:`InvalidArgument` when it cannot be
+    read: an unsupported encoding, data that does not inflate, a body that ends
+    early. aiohttp's own decompression is off: it answers bad data with a plain
+    text 400 and a closed connection, or lets ``read()`` raise (a 500).
     """
     try:
-        return await request.read()
+        raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise TooLarge(f"request body is over the limit max_request_bytes ({exc.text})") from None
     except web.RequestPayloadError as exc:
         raise InvalidArgument(f"request body cannot be read: {exc}") from None
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("identity", ""):
+        return raw
+    if encoding not in _INFLATE_WBITS:
+        raise InvalidArgument(
+            f"request Content-Encoding '{encoding}' is not supported (gzip, deflate, identity)"
+        )
+    limit = request.app[MAX_BODY_KEY]
+    if len(raw) > _COMPRESS_OVER_BYTES:
+        return await asyncio.to_thread(_inflate, raw, encoding, limit)
+    return _inflate(raw, encoding, limit)
+
+
+def _inflate(raw: bytes, encoding: str, limit: int) -> bytes:
+    wbits = _INFLATE_WBITS[encoding]
+    if encoding == "deflate" and raw and raw[0] & 0x0F != 8:
+        wbits = -zlib.MAX_WBITS  # raw deflate, without the zlib header (as aiohttp accepts)
+    inflater = zlib.decompressobj(wbits)
+    try:
+        body = inflater.decompress(raw, limit + 1)  # a small bomb must not inflate unbounded
+    except zlib.error as exc:
+        raise InvalidArgument(f"request body cannot be read as {encoding}: {exc}") from None
+    if len(body) > limit:
+        raise TooLarge(f"request body inflates to over the limit max_request_bytes {limit}")
+    if not inflater.eof:
+        raise InvalidArgument(f"request body cannot be read as {encoding}: it ends early")
+    return body
 
 
 def _header_timeout(value: str) -> float:
