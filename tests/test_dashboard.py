@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 import pytest
 from conftest import ServerProcess, model_entry, spec, start_server, write_config
 from gen_helpers import GENERATION
@@ -148,6 +149,14 @@ def test_stats_match_the_traffic(dash_server: ServerProcess) -> None:
     assert proc["cpu_seconds"] >= before["process"]["cpu_seconds"] > 0
     assert proc["rss_bytes"] > 16 * 2**20 and proc["rss_is_peak"] is False  # /proc here
     assert proc["cpu_count"] >= 1
+    # gpt2 steps in a child process, whose CPU and memory are counted in.
+    assert proc["step_processes"] == 1
+    (child,) = [
+        p
+        for p in psutil.Process(dash_server.proc.pid).children()
+        if "spawn_main" in " ".join(p.cmdline())
+    ]
+    assert proc["rss_bytes"] > child.memory_info().rss
     assert isinstance(after["gpus"], list)  # entries only where NVML sees a GPU
 
 

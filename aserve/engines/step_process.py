@@ -91,6 +91,11 @@ class ProcessStepExecutor:
         """A child is up and answering (False while one is being restarted)."""
         return self._up
 
+    @property
+    def pid(self) -> int | None:
+        """The child's process id while one is up."""
+        return self._proc.pid if self._up and self._proc is not None else None
+
     async def start(self) -> None:
         """Start the child; returns once it has loaded the model (or raises why not)."""
         self._loop = asyncio.get_running_loop()

@@ -33,6 +33,7 @@ from aiohttp import web
 
 from aserve import __version__
 from aserve.frontends.http import json_response
+from aserve.loop.generation import GenerationRuntime
 from aserve.metrics import OK
 from aserve.stats import LATENCY_BUCKETS_S
 
@@ -105,6 +106,18 @@ def dashboard_stats(server: Server) -> dict[str, Any]:
             }
         )
     cpu_seconds, rss_bytes, rss_is_peak = process_usage()
+    # Decoder models step in child processes: their CPU and memory are the server's too.
+    step_pids = [
+        pid
+        for rt in server.registry
+        if isinstance(rt, GenerationRuntime) and (pid := rt.step_pid) is not None
+    ]
+    for pid in step_pids:
+        child = child_usage(pid)
+        if child is not None:
+            cpu_seconds += child[0]
+            if rss_bytes is not None:
+                rss_bytes += child[1]
     return {
         "version": __version__,
         "t": time.monotonic(),  # what the page diffs against: rates use the server's clock
@@ -116,6 +129,7 @@ def dashboard_stats(server: Server) -> dict[str, Any]:
             "cpu_count": os.cpu_count() or 1,
             "rss_bytes": rss_bytes,
             "rss_is_peak": rss_is_peak,
+            "step_processes": len(step_pids),  # included in cpu_seconds and rss_bytes
         },
         "gpus": [
             {
@@ -150,3 +164,17 @@ def process_usage() -> tuple[float, int | None, bool]:
         return cpu, None, False
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return cpu, peak if sys.platform == "darwin" else peak * 1024, True  # macOS: bytes, else KiB
+
+
+def child_usage(pid: int) -> tuple[float, int] | None:
+    """(CPU seconds, resident bytes) of a child process, from procfs; None without it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # Fields after the parenthesised name: utime and stime are the 12th and 13th.
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks, pages * os.sysconf("SC_PAGE_SIZE")

@@ -124,6 +124,12 @@ class GenerationRuntime:
             c.generation.max_model_len, time.perf_counter() - t0,
         )  # fmt: skip
 
+    @property
+    def step_pid(self) -> int | None:
+        """The step process's id (None when the steps run on a thread)."""
+        executor = self._executor
+        return executor.pid if isinstance(executor, ProcessStepExecutor) else None
+
     def _on_sequences_lost(self, error: BaseException) -> None:
         if self.batcher is not None:
             self.batcher.fail_running(error)
