@@ -188,8 +188,9 @@ class GenerationRuntime:
         """Queue a prepared sequence: its stream, or a refusal at once
         (QueueFull when ``generation.max_queue_size`` are waiting, Unavailable
         when the model is not ready)."""
-        if self.state is not ModelState.READY or self.batcher is None:
-            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+        if not self.ready or self.batcher is None:
+            why = self.state.value if self.state is not ModelState.READY else "restarting"
+            raise Unavailable(f"model '{self.label}' is not ready ({why})")
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         return self.batcher.submit(sequence, len(sequence.prompt_ids), timeout, client_id)
 
