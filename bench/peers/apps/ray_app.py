@@ -56,6 +56,7 @@ def main() -> None:
     args = p.parse_args()
     ray.init(
         num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False,
+        _node_ip_address="127.0.0.1",  # every Ray process on loopback only
         runtime_env={"env_vars": {k: os.environ[k] for k in (
             "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "BENCH_MINILM_DIR",
             "BENCH_TORCH_THREADS", "HF_HUB_OFFLINE") if k in os.environ}},
@@ -69,8 +70,7 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    serve.shutdown()
-    ray.shutdown()
+    ray.shutdown()  # its processes go with it; serve.shutdown() first only adds seconds
 
 
 if __name__ == "__main__":
