@@ -35,17 +35,21 @@ def _parser() -> argparse.ArgumentParser:
         help="how often to check --config for changes (default 1; 0: only on SIGHUP)",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-format",
+        default=None,
+        choices=["text", "json"],
+        help="text or JSON lines (default: the config's logging.format, else text)",
+    )
     p.add_argument("--version", action="version", version=f"aserve {__version__}")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from aserve import logs
+
+    logs.configure(args.log_level, args.log_format or "text")
     # Imported late so that --help and config errors answer without loading torch.
     from aserve.config import ConfigError, check_model_files, read_config
 
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"aserve: error: {exc}", file=sys.stderr)
         return 2
     file_config = config
+    if args.log_format is None and config.logging.format != "text":
+        logs.configure(args.log_level, config.logging.format)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if overrides:
         config = config.model_copy(update={"http": config.http.model_copy(update=overrides)})

@@ -338,6 +338,17 @@ class TlsConfig(_Frozen):
     key_file: str
 
 
+class LoggingConfig(_Frozen):
+    """What the server logs, and how (the ``"logging"`` block)."""
+
+    format: Literal["text", "json"] = "text"
+    """"json": one JSON object per line (time, level, logger, message or fields)."""
+    access_log: bool = False
+    """One line per answered request: request id, protocol, model, version,
+    status, duration, time queued and computing. Off by default: for tiny
+    models a log line costs more than the inference."""
+
+
 class GpuConfig(_Frozen):
     """Memory of each CUDA device the models use (the ``"gpu"`` block).
 
@@ -363,6 +374,7 @@ class ServerConfig(_Frozen):
     tls: TlsConfig | None = None  # absent: plain HTTP and gRPC
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     gpu: GpuConfig = GpuConfig()
+    logging: LoggingConfig = LoggingConfig()
     models: list[ModelConfig] = []
 
     @model_validator(mode="after")

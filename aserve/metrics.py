@@ -28,6 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from aserve.logs import CURRENT, access_record
 from aserve.stats import LATENCY_BUCKETS_S, Histogram
 
 if TYPE_CHECKING:
@@ -49,7 +50,8 @@ class RequestMetrics:
     create series by inventing names. Loop only.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, access_log: bool = False) -> None:
+        self.access_log = access_log  # also write each request to the access log
         self.counts: dict[tuple[str, str, str, str], int] = {}
         self.durations: dict[tuple[str, str], Histogram] = {}
         # Refusals by a server-wide limit (reason -> count), no model known yet.
@@ -73,6 +75,8 @@ class RequestMetrics:
             if hist is None:
                 hist = self.durations[(model, version)] = Histogram(LATENCY_BUCKETS_S)
             hist.observe(perf_counter() - started)
+        if self.access_log:
+            access_record(CURRENT.get(), protocol, model, version, status, perf_counter() - started)
 
 
 class NvmlSampler:
@@ -325,7 +329,7 @@ class Metrics:
     """The server's metrics: request counters, the NVML sampler, the registry /metrics shows."""
 
     def __init__(self, server: Server) -> None:
-        self.requests = RequestMetrics()
+        self.requests = RequestMetrics(server.config.logging.access_log)
         self.nvml = NvmlSampler()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ServerCollector(server))

@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from typing import Any
 
 import msgpack
 
+from aserve import logs
 from aserve.config import GenerationConfig, GpuConfig
 from aserve.engines.decoder import DecoderEngine, SamplingParams, Sequence, StepOutput
 from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit
@@ -289,9 +291,7 @@ def worker_main(conn: Connection, args: WorkerArgs) -> None:
     # The server decides when this process ends (stop message, or its pipe closing).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    logs.configure("WARNING", os.environ.get(logs.FORMAT_ENV, "text"))
     import torch
 
     torch.set_num_interop_threads(1)

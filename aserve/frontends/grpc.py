@@ -41,6 +41,7 @@ from aserve.frontends.grpc_generate import SERVICE_NAME as GENERATION_SERVICE
 from aserve.frontends.grpc_generate import GenerationServicer, answer_decoupled
 from aserve.frontends.grpc_health import REFLECTED_SERVICES, Health, reflection_pool
 from aserve.frontends.status import GRPC_STATUS
+from aserve.logs import track_grpc
 from aserve.loop.generation import GenerationRuntime
 from aserve.metrics import OK
 
@@ -214,6 +215,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         started = perf_counter()
         record = self._server.metrics.requests.record
+        track_grpc(context, self._server.metrics.requests.access_log)
         try:
             self._frontend.check_capacity()
             with self._frontend.serving(), self._server.admission:
@@ -312,6 +314,7 @@ class _Stream:
         server = self._servicer._server
         started = perf_counter()
         record = server.metrics.requests.record
+        track_grpc(self._context, server.metrics.requests.access_log)  # this task's own
         try:
             with server.admission:  # each request of the stream counts
                 if isinstance(runtime, GenerationRuntime):

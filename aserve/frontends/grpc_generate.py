@@ -28,6 +28,7 @@ from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
 from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
 from aserve.frontends.status import GRPC_STATUS
+from aserve.logs import track_grpc
 from aserve.loop.generation import (
     TEXT_OUTPUT,
     GenerationRuntime,
@@ -81,6 +82,7 @@ class GenerationServicer(apb_grpc.GenerationServicer):
         started = perf_counter()
         runtime: GenerationRuntime | None = None
         status = ErrorCode.CANCELLED.value  # unless it ends otherwise
+        track_grpc(context, self._server.metrics.requests.access_log)
         try:
             try:
                 self._frontend.check_capacity()

@@ -21,6 +21,7 @@ from prometheus_client.exposition import choose_encoder
 
 from aserve.errors import AserveError, ErrorCode
 from aserve.frontends.status import STATUS
+from aserve.logs import CURRENT, REQUEST_ID_HEADER, REQUEST_ID_KEY, RequestInfo, request_id
 from aserve.metrics import OK
 
 if TYPE_CHECKING:
@@ -59,6 +60,9 @@ def inference_route(
 
     async def counting(request: web.Request) -> web.StreamResponse:
         started = perf_counter()
+        rid = request[REQUEST_ID_KEY] = request_id(request.headers.get(REQUEST_ID_HEADER))
+        # This handler runs in its own task: the variable is this request's alone.
+        CURRENT.set(RequestInfo(rid))
         try:
             with admission:
                 response = await handler(request)
@@ -67,12 +71,16 @@ def inference_route(
             raise
         except AserveError as exc:  # refused by the admission
             requests.record(None, protocol, exc.code.value, started)
-            return refuse(exc)
+            response = refuse(exc)
+            response.headers[REQUEST_ID_HEADER] = rid
+            return response
         except Exception:
             requests.record(request.get(RUNTIME_KEY), protocol, ErrorCode.INTERNAL.value, started)
             raise
         status = request.get(STATUS_KEY) or status_label(response.status)
         requests.record(request.get(RUNTIME_KEY), protocol, status, started)
+        if not response.prepared:  # a stream sent its headers, the id among them, already
+            response.headers[REQUEST_ID_HEADER] = rid
         return response
 
     counting.__name__ = getattr(handler, "__name__", "handler")

@@ -22,6 +22,7 @@ from aserve.engines import create_engine
 from aserve.engines.base import Engine
 from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.errors import Unavailable
+from aserve.logs import CURRENT
 from aserve.loop.request import InferenceRequest
 from aserve.scheduler.batcher import Batcher
 from aserve.stats import ModelStats
@@ -184,6 +185,11 @@ class ModelRuntime:
             if self.batcher is not None:
                 self.batcher.forget(req)
             raise
+        finally:
+            info = CURRENT.get()
+            if info is not None and req.dispatched:  # for the access log
+                info.queue_s = req.dispatched - req.arrival
+                info.compute_s = req.compute_ns / 1e9
 
     @property
     def busy(self) -> bool:

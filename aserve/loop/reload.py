@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("aserve.reload")
 
 # Top-level config keys that need a restart: listeners, and limits the listeners were built with.
-RESTART_KEYS = ("http", "grpc", "limits", "auth", "tls", "drain_timeout_s", "gpu")
+RESTART_KEYS = ("http", "grpc", "limits", "auth", "tls", "drain_timeout_s", "gpu", "logging")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ class InferenceRequest:
         "arrival",
         "batch_size",
         "client_id",
+        "compute_ns",
         "deadline",
+        "dispatched",
         "future",
         "inputs",
         "parameters",
@@ -59,6 +61,8 @@ class InferenceRequest:
         self.future = future
         self.parameters = parameters
         self.queued = False  # True while it sits in a batcher's queue
+        self.dispatched = 0.0  # when its batch went to an executor (0: not yet)
+        self.compute_ns = 0  # its batch's time in the engine, once answered
 
     def __lt__(self, other: InferenceRequest) -> bool:
         # Heap order: earliest deadline first, then first come.

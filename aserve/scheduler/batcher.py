@@ -221,6 +221,7 @@ class Batcher:
         observe_queue = self._stats.queue_seconds.observe
         for req in picked:
             size += req.batch_size
+            req.dispatched = now
             waited = now - req.arrival
             queue_ns += int(waited * 1e9)
             observe_queue(waited)
@@ -254,6 +255,7 @@ class Batcher:
             for req in requests:
                 n = req.batch_size
                 fut = req.future
+                req.compute_ns = job.infer_ns
                 if not fut.done():
                     # Views, not copies: each request gets its rows of the batch.
                     fut.set_result({k: v[offset : offset + n] for k, v in outputs.items()})

@@ -30,6 +30,7 @@ from aserve.config import GenerationConfig
 from aserve.engines.decoder import Sequence
 from aserve.engines.step_executor import StepJob
 from aserve.errors import AserveError, DeadlineExceeded, InternalError, QueueFull, Unavailable
+from aserve.logs import CURRENT
 from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.stats import ModelStats
 from aserve.streaming.channel import Delta, TokenChannel
@@ -120,6 +121,9 @@ class GenerationRequest:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.cancel()
+        info = CURRENT.get()
+        if info is not None and self.admitted:  # for the access log: waiting for a slot
+            info.queue_s = self.admitted - self.arrival
 
     async def collect(self) -> tuple[str, Delta | None]:
         """The whole text and the last delta (None if nothing came), for unary answers."""

@@ -22,6 +22,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from aserve.logs import REQUEST_ID_HEADER, REQUEST_ID_KEY
+
 DONE = b"data: [DONE]\n\n"
 HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -40,7 +42,11 @@ class SseResponse:
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
-        self.response = web.StreamResponse(status=200, headers=HEADERS)
+        headers = HEADERS
+        rid = request.get(REQUEST_ID_KEY)
+        if rid is not None:
+            headers = {**HEADERS, REQUEST_ID_HEADER: rid}
+        self.response = web.StreamResponse(status=200, headers=headers)
         self.started = False
 
     async def start(self) -> None:
