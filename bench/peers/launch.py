@@ -54,6 +54,7 @@ class Plan:
     url: str  # where the benchmark's request goes
     env: dict[str, str] = field(default_factory=dict)
     health_url: str | None = None
+    stats_url: str | None = None  # aserve's per-model statistics (Triton's format)
     headers: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 240.0
     notes: list[str] = field(default_factory=list)
@@ -248,7 +249,7 @@ def _aserve(ctx: Context, workload: str, variant: str) -> Plan:
     base = f"http://127.0.0.1:{port}"
     return Plan(
         "aserve", argv, f"{base}/v2/models/{workload}/infer", ctx.base_env(),
-        health_url=f"{base}/v2/health/ready",
+        health_url=f"{base}/v2/health/ready", stats_url=f"{base}/v2/models/{workload}/stats",
     )  # fmt: skip
 
 
@@ -372,6 +373,9 @@ SERVERS: dict[str, tuple[str | None, Callable[[Context, str, str], Plan], str]] 
     # The no-wait variants: on this CPU the stronger opponent at low and middle load.
     "pytriton-nowait": ("pytriton", _pytriton, "nowait"),
     "litserve-nowait": ("litserve", _litserve, "nowait"),
+    "ray-nowait": ("ray", _ray, "nowait"),
+    "torchserve-nowait": ("torchserve", _torchserve, "nowait"),
+    "aserve-nowait": (None, _aserve, "nowait"),
 }
 
 

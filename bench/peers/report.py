@@ -67,6 +67,17 @@ def _unary(key: str, section: dict[str, Any], ceiling: dict[str, Any] | None) ->
         best = min(ok, key=lambda s: ok[s]["points"][c]["p99_ms"])
         lowest.append(f"c={c}: {best}")
     lines.append("Lowest p99: " + "; ".join(lowest) + ".")
+    if a is not None and any("aserve_stats" in a["points"][c] for c in cs):
+        lines += ["", "aserve in each window (its /stats): mean batch size, model busy share, "
+                  "mean queue wait:"]  # fmt: skip
+        for c in cs:
+            st = a["points"][c].get("aserve_stats")
+            if st:
+                lines.append(f"- c={c}: batch {st['mean_batch_size']:.1f}, model busy "
+                             f"{st['model_busy']:.0%}, queue {st['mean_queue_ms']:.1f} ms; "
+                             "batches by size " + ", ".join(
+                                 f"{k}: {v}" for k, v in st["batches_by_size"].items()))  # fmt: skip
+        lines.append("")
     if key == "2" and a is not None:
         top = cs[-1]
         peers = {s: r["points"][top]["rps"] for s, r in ok.items() if s not in ("aserve",)}
@@ -122,11 +133,13 @@ def _overload(results: dict[str, Any]) -> list[str]:
         "a request up (and closes its connection) at the deadline. aserve also gets the "
         "deadline in its `aserve-timeout-ms` header, so it can refuse at once what it cannot "
         "finish in time. Refused = 429/503. Admitted = sent - refused. Health = GET of the "
-        "server's health route every 50 ms during the window.",
+        "server's health route every 50 ms during the window. Send lag: how far behind its "
+        "schedule the load generator sent (large = the machine starved the client too).",
         "",
         "| server | sent | in time | late | refused | failed | lost | goodput/s "
-        "| in time / sent | in time / admitted | p99 in-time ms | health p99 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| in time / sent | in time / admitted | p99 in-time ms | refusal p99 ms "
+        "| health p99 ms | send lag p99 ms | other load |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s, o in rows.items():
         probe = o.get("probe") or {}
@@ -134,7 +147,8 @@ def _overload(results: dict[str, Any]) -> list[str]:
             f"| {s} | {o['sent'] + o['not_sent']} | {o['ok_in_time']} | {o['late']} "
             f"| {o['refused']} | {o['failed']} | {o['lost']} | {_n(o['goodput_rps'])} "
             f"| {_n(o['in_time_share'], 3)} | {_n(o['admitted_in_time_share'], 3)} "
-            f"| {_n(o['p99_ms'])} | {_n(probe.get('p99_ms'))} |"
+            f"| {_n(o['p99_ms'])} | {_n(o['refusal_p99_ms'])} | {_n(probe.get('p99_ms'))} "
+            f"| {_n(o['send_lag_p99_ms'])} | {_n(o.get('other_cpu_util'), 2)} |"
         )
     a = rows.get("aserve")
     if a is not None:

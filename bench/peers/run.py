@@ -43,12 +43,13 @@ from bench.peers import launch, venvs
 from bench.peers.launch import Context, Running, StartError
 from bench.proctree import system_busy_seconds
 from bench.servers import MODEL_ENV
+from bench.stats import window_delta
 
 REPO = launch.REPO
 WORKLOAD_MODEL = {"1": "tiny", "2": "minilm"}
 TIMEOUT_HEADER = "aserve-timeout-ms"
-DEFAULT_SERVERS = ["aserve", "plain", "litserve", "ray", "torchserve", "pytriton",
-                   "pytriton-nowait"]  # fmt: skip
+DEFAULT_SERVERS = ["aserve", "plain", "litserve", "litserve-nowait", "ray", "torchserve",
+                   "pytriton", "pytriton-nowait"]  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -73,6 +74,8 @@ def loadgen(
             argv += ["--probe-url", run.plan.health_url]
     else:
         argv += ["--concurrency", str(concurrency)]
+    if run.plan.stats_url:  # aserve: what it did in the window (batch sizes, queueing)
+        argv += ["--snapshot-url", run.plan.stats_url]
     for k, v in run.plan.headers.items():
         argv += ["--header", f"{k}:{v}"]
     proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
@@ -81,6 +84,10 @@ def loadgen(
         raise RuntimeError(f"loadgen failed ({proc.returncode}): {proc.stderr[-2000:]}\n"
                            f"server log tail:\n{run.log_tail()}")  # fmt: skip
     out: dict[str, Any] = json.loads(proc.stdout)
+    snapshots = out.pop("snapshots", None)
+    if snapshots is not None:
+        before, after = (snapshots[k]["model_stats"][0] for k in ("start", "end"))
+        out["aserve_stats"] = window_delta(before, after, out["duration_s"])
     return out
 
 
@@ -97,8 +104,6 @@ def serve_workload(
 ) -> dict[str, Any]:  # fmt: skip
     """One server, one model: start, check, warm up, every concurrency, maybe overload."""
     plan = launch.plan_for(name, ctx, workload)
-    if name == "aserve" and overload_rate is not None:
-        pass  # the deadline header is sent only in the overload point
     body = files[f"{workload}-body"].read_bytes()
     out: dict[str, Any] = {"server": name, "launch": launch.describe(plan)}
     logfile = ctx.scratch / f"{name}-{workload}.log"
