@@ -37,7 +37,7 @@ from bench.loadgen import Target, build_get, exchange, percentile
 from bench.models import MODELS, default_cache_dir, model_file
 from bench.peers import launch, venvs
 from bench.peers.launch import Context, Running
-from bench.peers.run import TIMEOUT_HEADER, loadgen, log, reference
+from bench.peers.run import TIMEOUT_HEADER, loadgen, log, reference, scrub
 from bench.servers import MODEL_ENV
 
 TARGET_ADMITTED_IN_TIME = 0.99
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     facts["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     facts["wall_s"] = round(time.time() - started, 1)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    results = scrub(results, {cache: "<cache>"})
     (args.out_dir / "results-overload.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out_dir / "RESULTS-overload.md").write_text(render(results))
     log(f"wrote {args.out_dir / 'RESULTS-overload.md'}")

@@ -202,6 +202,8 @@ def _failures(results: dict[str, Any]) -> list[str]:
         for s, r in servers.items():
             if isinstance(r, dict) and "error" in r:
                 rows.append((s, f"workload {key}", r["error"]))
+            if isinstance(r, dict) and "overload_error" in r:
+                rows.append((s, "workload 4", r["overload_error"]))
     if not rows:
         return ["## Servers that could not run", "", "None: every server ran.", ""]
     lines = ["## Servers that could not run", ""]
