@@ -97,6 +97,8 @@ class _Engine:
     """A stand-in engine: doubles X; dies with SystemExit on -999; its second
     and later instances wait for ``gate`` before they exist."""
 
+    inline_capable = False  # every batch on the instance thread, which can die
+
     def __init__(self) -> None:
         self.created = 0
         self.gate = threading.Event()

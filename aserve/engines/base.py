@@ -22,7 +22,12 @@ class Engine(abc.ABC):
       returns (thread settings, a CUDA stream, staging buffers) is handed back
       to every ``run`` on that thread.
     - ``run`` may run concurrently on several instance threads.
+    - An engine whose ``inline_capable`` is True may also have ``run`` called
+      on the event loop's thread, with an instance created there, for batches
+      measured to take well under 100 µs (see :class:`ExecutorPool`).
     """
+
+    inline_capable = False
 
     def __init__(self, config: ModelConfig, model_path: Path) -> None:
         self.config = config

@@ -41,6 +41,8 @@ class TorchEngine(Engine):
     def __init__(self, config: ModelConfig, model_path: Path) -> None:
         super().__init__(config, model_path)
         self.device = torch.device(config.device)
+        # On the CPU an instance is only thread settings: tiny batches may run on the loop.
+        self.inline_capable = self.device.type == "cpu"
         self._module: Any = None
         self._in_names = [s.name for s in config.inputs]
         self._out_names = [s.name for s in config.outputs]

@@ -1,0 +1,81 @@
+"""Tiny batches run on the loop's thread once measured tiny; slow ones never do."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+
+from aserve.engines.executor import BatchJob, ExecutorPool
+
+
+class _Engine:
+    """Doubles X; ``delay_s`` makes it slow. Records the thread each run was on."""
+
+    inline_capable = True
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s = delay_s
+        self.threads: list[int] = []
+
+    def create_instance(self, index: int) -> int:
+        return index
+
+    def stack_inputs(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        return {"X": np.concatenate([p["X"] for p in parts])}
+
+    def check_outputs(self, outputs: dict[str, np.ndarray], batch_size: int) -> None:
+        pass
+
+    def run(self, inputs: dict[str, np.ndarray], instance: int) -> dict[str, np.ndarray]:
+        self.threads.append(threading.get_ident())
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if np.any(inputs["X"] < 0):
+            raise ValueError("negative")
+        return {"Y": inputs["X"] * 2}
+
+
+async def run_batch(pool: ExecutorPool, *xs: float) -> BatchJob:
+    fut: asyncio.Future[BatchJob] = asyncio.get_running_loop().create_future()
+    pool.submit(BatchJob([{"X": np.array([x])} for x in xs], len(xs), fut.set_result))
+    return await asyncio.wait_for(fut, 10)
+
+
+async def test_a_tiny_model_moves_onto_the_loop_after_its_first_runs() -> None:
+    engine = _Engine()
+    pool = ExecutorPool(engine, 1, "tiny")  # type: ignore[arg-type]
+    await pool.start()
+    loop_thread = threading.get_ident()
+    try:
+        for i in range(8):  # measured on the thread first
+            job = await run_batch(pool, float(i))
+            assert job.outputs is not None and job.outputs["Y"][0] == 2 * i
+        assert pool.inline_batches == 0 and loop_thread not in engine.threads
+        job = await run_batch(pool, 21.0)
+        assert job.outputs is not None and job.outputs["Y"][0] == 42.0
+        assert pool.inline_batches == 1 and engine.threads[-1] == loop_thread
+        # Another batch size class is measured on its own before it moves.
+        job = await run_batch(pool, 1.0, 2.0, 3.0)
+        assert pool.inline_batches == 1 and engine.threads[-1] != loop_thread
+        # An error inline fails its batch only, like on a thread.
+        failed = await run_batch(pool, -1.0)
+        assert isinstance(failed.error, ValueError) and failed.outputs is None
+        assert pool.inline_batches == 2 and pool.healthy
+    finally:
+        await pool.stop()
+
+
+async def test_a_slow_model_never_runs_on_the_loop() -> None:
+    engine = _Engine(delay_s=0.002)  # 2 ms: far over the inline budget
+    pool = ExecutorPool(engine, 1, "slow")  # type: ignore[arg-type]
+    await pool.start()
+    try:
+        for _ in range(12):
+            assert (await run_batch(pool, 1.0)).error is None
+        assert pool.inline_batches == 0
+        assert threading.get_ident() not in engine.threads
+    finally:
+        await pool.stop()
