@@ -41,12 +41,7 @@ def check_input(
         raise InvalidArgument(
             f"input '{name}': datatype {datatype!r} does not match the model's {spec.datatype}"
         )
-    if (
-        not isinstance(shape, list)
-        or len(shape) != len(spec.shape) + 1
-        or not all(type(d) is int and d >= 0 for d in shape)
-        or any(want != -1 and want != got for want, got in zip(spec.shape, shape[1:], strict=True))
-    ):
+    if not _shape_fits(shape, spec.shape):
         raise InvalidArgument(
             f"input '{name}': shape {shape!r} does not match the model's "
             f"[batch, {', '.join(map(str, spec.shape))}]"
@@ -55,6 +50,25 @@ def check_input(
     if params is not None and "shared_memory_region" in params:
         raise Unimplemented(f"input '{name}': shared memory is not supported")
     return spec, prod(shape)
+
+
+def _shape_fits(shape: Any, want: list[int]) -> bool:
+    """``shape`` is [batch, *want] of non-negative ints (-1 in ``want``: any size).
+
+    Plain loops, not all()/any() over generators: this runs for every input
+    of every request, and the generators cost more than the checks.
+    """
+    if type(shape) is not list or len(shape) != len(want) + 1:
+        return False
+    for d in shape:
+        if type(d) is not int or d < 0:  # not bool, not float: exactly int
+            return False
+    i = 1
+    for w in want:
+        if w != -1 and w != shape[i]:
+            return False
+        i += 1
+    return True
 
 
 def tensor_from_bytes(
