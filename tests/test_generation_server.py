@@ -256,6 +256,15 @@ async def test_triton_generate_and_generate_stream(decoder_server: ServerProcess
             async with session.post(base + url, json=payload) as r:
                 assert r.status == status
                 assert message in (await r.json())["error"]
+        # A bad timeout parameter is refused even when the header would override it.
+        bad_timeout = {"text_input": "x", "parameters": {"timeout_ms": "soon"}}
+        async with session.post(
+            base + "/v2/models/gpt2/generate",
+            json=bad_timeout,
+            headers={"aserve-timeout-ms": "500"},
+        ) as r:
+            assert r.status == 400
+            assert "timeout_ms" in (await r.json())["error"]
 
 
 async def test_kserve_infer_metadata_and_config(decoder_server: ServerProcess) -> None:

@@ -127,7 +127,9 @@ class TritonGenerate:
         exclude = params.get("exclude_input_in_output", True)
         if not isinstance(exclude, bool):
             raise InvalidArgument("parameter 'exclude_input_in_output' must be true or false")
-        timeout = header_timeout(request) or request_timeout(params)
+        # Both are checked, so a bad parameter is refused even when the header wins.
+        from_params = request_timeout(params)
+        timeout = header_timeout(request) or from_params
         sampling = sampling_from_parameters(params)
         seq = await runtime.prepare(sampling, prompt=prompt, client_id=client_id)
         req = runtime.generate(seq, timeout, client_id)
