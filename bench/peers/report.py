@@ -132,19 +132,23 @@ def _overload(results: dict[str, Any]) -> list[str]:
         "Open loop: requests leave at a fixed rate whatever the server does; the client gives "
         "a request up (and closes its connection) at the deadline. aserve also gets the "
         "deadline in its `aserve-timeout-ms` header, so it can refuse at once what it cannot "
-        "finish in time. Refused = 429/503. Admitted = sent - refused. Health = GET of the "
+        "finish in time. Due = requests whose send time fell in the window; not sent = due "
+        "while the client already had 2048 connections open or opening (the server had "
+        "stopped taking connections); sent = due - not sent. Refused = 429/503. Admitted = "
+        "sent - refused. In time / sent counts not sent as missed. Health = GET of the "
         "server's health route every 50 ms during the window. Send lag: how far behind its "
         "schedule the load generator sent (large = the machine starved the client too).",
         "",
-        "| server | sent | in time | late | refused | failed | lost | goodput/s "
-        "| in time / sent | in time / admitted | p99 in-time ms | refusal p99 ms "
+        "| server | due | not sent | in time | late | refused | failed | lost | goodput/s "
+        "| in time / due | in time / admitted | p99 in-time ms | refusal p99 ms "
         "| health p99 ms | send lag p99 ms | other load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s, o in rows.items():
         probe = o.get("probe") or {}
         lines.append(
-            f"| {s} | {o['sent'] + o['not_sent']} | {o['ok_in_time']} | {o['late']} "
+            f"| {s} | {o['sent'] + o['not_sent']} | {o['not_sent']} | {o['ok_in_time']} "
+            f"| {o['late']} "
             f"| {o['refused']} | {o['failed']} | {o['lost']} | {_n(o['goodput_rps'])} "
             f"| {_n(o['in_time_share'], 3)} | {_n(o['admitted_in_time_share'], 3)} "
             f"| {_n(o['p99_ms'])} | {_n(o['refusal_p99_ms'])} | {_n(probe.get('p99_ms'))} "
