@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import queue
 import threading
 import time
 import urllib.error
@@ -176,10 +177,13 @@ def test_max_connections_grpc_calls(few_connections: ServerProcess) -> None:
     """Two open streams are two calls in flight; a third call is refused at once."""
     clients = [grpcclient.InferenceServerClient(few_connections.grpc_url) for _ in range(3)]
     try:
-        for c in clients[:2]:
-            c.start_stream(callback=lambda result, error: None)
-        sync_wait_for_stats(few_connections.base, "affine", lambda s: True)
+        answered: queue.Queue = queue.Queue()
         x = np.ones((1, 16), np.float32)
+        for c in clients[:2]:
+            c.start_stream(callback=lambda result, error: answered.put(error))
+            # An answer on the stream: the server has the call, however slow the machine.
+            c.async_stream_infer("affine", [grpc_input("INPUT0", x)])
+        assert [answered.get(timeout=30) for _ in range(2)] == [None, None]
         deadline = time.monotonic() + 10
         while True:  # the streams are open once the server counts them
             try:
