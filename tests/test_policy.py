@@ -117,3 +117,27 @@ def test_one_outlier_moves_an_estimate_at_most_twofold():
     for _ in range(20):  # a lasting change still takes over
         lat.observe(1, 0.5)
     assert lat.estimate(1) == pytest.approx(0.5, rel=0.05)
+
+
+def test_no_batch_runs_past_the_earliest_deadline_in_the_queue():
+    cost = fixed_cost(5e-3, 1e-3)  # 5 ms + 1 ms per item
+    plain = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[])
+    # 20.5 ms left: 15 items end in 20 ms, 16 would not; a full batch (37 ms) would miss all.
+    assert plan(10.0, view(40, deadline_in=0.0205), 1, plain, cost, 0.0).take == 15
+    # With preferred sizes, the largest one within the cap.
+    assert plan(10.0, view(40, deadline_in=0.0205), 1, LIMITS, cost, 0.0).take == 8
+    # Not even one fits: still one (the rest of the queue may have time).
+    assert plan(10.0, view(40, deadline_in=0.001), 1, plain, cost, 0.0).take == 1
+    # Time enough: the full batch.
+    assert plan(10.0, view(40, deadline_in=1.0), 1, plain, cost, 0.0).take == 32
+    # Fewer waiting than the cap: the usual rules (rule 4, the deadline is near).
+    assert plan(10.0, view(10, deadline_in=0.0205), 1, plain, cost, 1e3).take == 10
+
+
+def test_admission_counts_batches_capped_by_the_deadline():
+    cost = fixed_cost(5e-3, 1e-3)
+    plain = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[])
+    # 30 ahead + 1: without a deadline one batch of 31 (36 ms); with 20 ms per
+    # batch allowed, batches of 15: 15 + 15 + 1 on one instance = 20 + 20 + 6 ms.
+    assert predicted_finish(0.0, 30, 1, 1, 0.0, plain, cost) == pytest.approx(0.036)
+    assert predicted_finish(0.0, 30, 1, 1, 0.0, plain, cost, deadline=0.020) == pytest.approx(0.046)

@@ -46,6 +46,12 @@ class HandlerRuntime(ModelRuntime):
             max_workers=max(2, 2 * config.instances), thread_name_prefix=f"aserve-{self.name}-py"
         )
         self.inflight = 0  # requests between entering infer() and their answer
+        self._workers = max(2, 2 * config.instances)
+        # Requests waiting for or in preprocessing (not in the batcher's queue
+        # yet), their items, and the measured time one preprocess takes.
+        self._preprocessing = 0
+        self._preprocessing_items = 0
+        self._preprocess_s = 0.0
 
     def _create_engine(self, path: Path | None) -> Engine:
         self._engine = PythonHandlerEngine(self.config, path, self._base_dir)
@@ -105,10 +111,11 @@ class HandlerRuntime(ModelRuntime):
         try:
             if self.state is not ModelState.READY or self._engine is None:
                 raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
-            deadline = time.monotonic() + timeout_s
+            now = time.monotonic()
+            deadline = now + timeout_s
             handler = self._engine.handler
             request = HandlerRequest(inputs, batch_size, dict(parameters or {}), client_id)
-            arrays = await self._in_threads(handler.preprocess, "preprocess", request)
+            arrays = await self._preprocess(request, now, deadline)
             size, key = self._batch_of(arrays)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -120,6 +127,52 @@ class HandlerRuntime(ModelRuntime):
             return self._response(response, batch_size)
         finally:
             self.inflight -= 1
+
+    async def _preprocess(self, request: HandlerRequest, now: float, deadline: float) -> Any:
+        """``preprocess`` in the handler threads, admitted first as the batcher would.
+
+        Under overload the handler threads' queue is where requests would pile
+        up, unbounded and unseen by the batcher, until their deadlines were
+        spent. So a request that the batcher would refuse once preprocessed
+        (its queue full counting those in preprocessing, or its deadline out of
+        reach after the preprocessing backlog) is refused before, and one whose
+        deadline passes while it waits for a thread is dropped from that queue.
+        """
+        assert self.batcher is not None and self._engine is not None
+        backlog_s = (self._preprocessing // self._workers + 1) * self._preprocess_s
+        self.batcher.check_admission(
+            now,
+            deadline,
+            request.batch_size,
+            ahead_requests=self._preprocessing,
+            ahead_items=self._preprocessing_items,
+            ready_at=now + backlog_s,
+        )
+        self._preprocessing += 1
+        self._preprocessing_items += request.batch_size
+        try:
+            return await asyncio.wait_for(
+                self._in_threads(self._timed_preprocess, "preprocess", request),
+                deadline - now,
+            )
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"request deadline passed waiting for preprocessing on '{self.label}'"
+            ) from None
+        finally:
+            self._preprocessing -= 1
+            self._preprocessing_items -= request.batch_size
+
+    def _timed_preprocess(self, request: HandlerRequest) -> Any:
+        """In a handler thread: preprocess, and learn how long it takes (a moving average)."""
+        assert self._engine is not None
+        t0 = time.perf_counter()
+        result = self._engine.handler.preprocess(request)
+        took = time.perf_counter() - t0
+        # A float store is atomic under the GIL; the loop only reads it.
+        old = self._preprocess_s
+        self._preprocess_s = took if old == 0.0 else old + 0.2 * (took - old)
+        return result
 
     async def _in_threads(self, fn: Callable[..., Any], stage: str, *args: Any) -> Any:
         """Run user code in the handler threads; its exception becomes this request's error."""

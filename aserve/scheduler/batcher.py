@@ -100,31 +100,8 @@ class Batcher:
 
     def submit(self, req: InferenceRequest) -> None:
         """Queue ``req`` or raise at once (QueueFull / Unavailable / DeadlineExceeded)."""
-        if self._closed:
-            raise Unavailable(f"model '{self.label}' is unloading")
+        self.check_admission(req.arrival, req.deadline, req.batch_size)
         now = req.arrival
-        if self._queued_requests >= self.max_queue_size:
-            self._stats.rejected["queue_full"] += 1
-            raise QueueFull(
-                f"model '{self.label}' queue is full: {self._queued_requests} requests waiting "
-                f"(max_queue_size {self.max_queue_size}); retry later"
-            )
-        if req.deadline <= now:
-            raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
-        if self.latency.known:
-            first_free = now if self._free > 0 else min(r.expected_end for r in self._running)
-            finish = predicted_finish(
-                now, self._queued_items, req.batch_size, self._pool.instances,
-                first_free, self.limits, self.latency.estimate,
-            )  # fmt: skip
-            if finish > req.deadline:
-                self._stats.rejected["deadline_unmeetable"] += 1
-                raise Unavailable(
-                    f"model '{self.label}' cannot meet the request's deadline: "
-                    f"{(req.deadline - now) * 1e3:.1f} ms left, but "
-                    f"{self._queued_requests} queued request(s) and the measured batch "
-                    f"latencies predict {(finish - now) * 1e3:.1f} ms"
-                )
         req.queued = True
         heapq.heappush(self._heap, req)
         self._fifo.append(req)
@@ -134,6 +111,48 @@ class Batcher:
         if not self._pump_soon:
             self._pump_soon = True
             self._loop.call_soon(self._pump)
+
+    def check_admission(
+        self,
+        now: float,
+        deadline: float,
+        items: int,
+        ahead_requests: int = 0,
+        ahead_items: int = 0,
+        ready_at: float | None = None,
+    ) -> None:
+        """Raise what :meth:`submit` would refuse a request of ``items`` with.
+
+        ``ahead_*`` count requests not queued yet that will be (a handler
+        model's requests in preprocessing), and ``ready_at`` is when this one
+        can join the queue (after its own preprocessing): a request that
+        would only be refused after that work is refused before it.
+        """
+        if self._closed:
+            raise Unavailable(f"model '{self.label}' is unloading")
+        queued = self._queued_requests + ahead_requests
+        if queued >= self.max_queue_size:
+            self._stats.rejected["queue_full"] += 1
+            raise QueueFull(
+                f"model '{self.label}' queue is full: {queued} requests waiting "
+                f"(max_queue_size {self.max_queue_size}); retry later"
+            )
+        if deadline <= now:
+            raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
+        if self.latency.known:
+            start = now if ready_at is None else ready_at
+            first_free = start if self._free > 0 else min(r.expected_end for r in self._running)
+            finish = predicted_finish(
+                start, self._queued_items + ahead_items, items, self._pool.instances,
+                first_free, self.limits, self.latency.estimate, deadline,
+            )  # fmt: skip
+            if finish > deadline:
+                self._stats.rejected["deadline_unmeetable"] += 1
+                raise Unavailable(
+                    f"model '{self.label}' cannot meet the request's deadline: "
+                    f"{(deadline - now) * 1e3:.1f} ms left, but {queued} request(s) "
+                    f"ahead and the measured latencies predict {(finish - now) * 1e3:.1f} ms"
+                )
 
     def forget(self, req: InferenceRequest) -> None:
         """The client went away: take ``req`` out of the queue (its future is already done)."""

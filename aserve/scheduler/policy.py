@@ -10,7 +10,13 @@ a batch of ``k``):
 
 1. Nothing runs while no instance is free: requests accumulate, and a batch
    is cut the moment an instance frees up.
-2. ``n >= max_batch_size``: run ``max_batch_size``.
+   A batch is never larger than what finishes by the earliest deadline in
+   the queue (``cap``: the largest ``k`` with ``now + L(k) <= deadline``,
+   at least 1): under overload a full batch that runs past every deadline
+   in it would serve nobody in time.
+2. ``n >= cap``: run ``cap`` (the largest preferred size within it, if the
+   cap is below ``max_batch_size``); with no deadline pressure ``cap`` is
+   ``max_batch_size``.
 3. ``n`` reaches a preferred size: run the largest preferred size that fits.
 4. Otherwise run all ``n`` now if the oldest has waited ``max_delay``, or if
    waiting longer would make the earliest deadline miss
@@ -75,8 +81,12 @@ def plan(
     n = queue.items
     if free_instances <= 0 or n <= 0:
         return _IDLE
-    if n >= limits.max_batch_size:
-        return Plan(limits.max_batch_size)
+    cap = deadline_cap(now, queue.earliest_deadline, limits, latency)
+    if n >= cap:
+        if cap < limits.max_batch_size:
+            within = [p for p in limits.preferred if p <= cap]
+            return Plan(within[-1] if within else cap)
+        return Plan(cap)
     fitting = [p for p in limits.preferred if p <= n]
     if fitting:
         return Plan(fitting[-1])
@@ -97,6 +107,30 @@ def plan(
     return Plan(0, min(now + wait, give_up_at))
 
 
+def deadline_cap(
+    now: float, deadline: float, limits: BatchLimits, latency: Callable[[int], float]
+) -> int:
+    """The largest batch (at least 1) whose estimated run ends by ``deadline``.
+
+    A binary search over the estimates, which grow with the batch size; with
+    nothing measured yet (estimates 0) it is ``max_batch_size``.
+    """
+    hi = limits.max_batch_size
+    budget = deadline - now
+    if latency(hi) <= budget:
+        return hi
+    if latency(1) > budget:
+        return 1
+    lo = 1  # latency(lo) <= budget < latency(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if latency(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def predicted_finish(
     now: float,
     items_ahead: int,
@@ -105,17 +139,20 @@ def predicted_finish(
     first_free_at: float,
     limits: BatchLimits,
     latency: Callable[[int], float],
+    deadline: float = math.inf,
 ) -> float:
     """Earliest time a new request of ``items`` could finish, given the queue ahead.
 
     ``first_free_at`` is when the soonest instance is expected to be free
-    (``now`` if one is). The queue ahead drains in full batches spread over
-    the instances; used by admission control to refuse at once what cannot
-    make its deadline.
+    (``now`` if one is). The queue ahead drains in batches spread over the
+    instances, each as large as still ends by ``deadline`` (see
+    :func:`deadline_cap`); used by admission control to refuse at once what
+    cannot make its deadline.
     """
-    total = items_ahead + items
-    full_batches = (total - 1) // limits.max_batch_size
-    last = total - full_batches * limits.max_batch_size
     start = max(now, first_free_at)
+    size = deadline_cap(start, deadline, limits, latency)
+    total = items_ahead + items
+    full_batches = (total - 1) // size
+    last = total - full_batches * size
     rounds = math.ceil(full_batches / max(instances, 1))
-    return start + rounds * latency(limits.max_batch_size) + latency(last)
+    return start + rounds * latency(size) + latency(last)
