@@ -109,6 +109,17 @@ def render(results: dict[str, Any]) -> str:
         verdict = "met" if share >= TARGET_ADMITTED_IN_TIME else "missed"
         lines.append(f"- {key}x: {share:.3f} of admitted requests in time: target >= "
                      f"{TARGET_ADMITTED_IN_TIME} {verdict}.")  # fmt: skip
+        st = o.get("aserve_stats")
+        if st:
+            lines.append(
+                f"  aserve's own count: {st['executions']} batches ({st['items']} items, mean "
+                f"{st['mean_batch_size']:.1f}), model busy {st['model_busy']:.0%}, mean queue "
+                f"wait {st['mean_queue_ms']:.0f} ms, refused as deadline-unmeetable (since start) "
+                f"{st['rejected'].get('deadline_unmeetable', 0)}, timed out in queue "
+                f"{st['timed_out']}; ms per batch by size: "
+                + ", ".join(f"{k}: {v:.0f}" for k, v in st["model_ms_by_size"].items())
+                + "."
+            )
     lines += ["", "Server log tail:", "", "```", results.get("log_tail", "").strip(), "```", ""]
     return "\n".join(lines)
 
@@ -202,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "RESULTS-overload.md").write_text(render(results))
     log(f"wrote {args.out_dir / 'RESULTS-overload.md'}")
     return 0
+
+
+def rerender(folder: Path) -> None:
+    """RESULTS-overload.md again from results-overload.json (after a change of layout)."""
+    results = json.loads((folder / "results-overload.json").read_text())
+    (folder / "RESULTS-overload.md").write_text(render(results))
 
 
 if __name__ == "__main__":

@@ -155,11 +155,24 @@ def _overload(results: dict[str, Any]) -> list[str]:
             f"| {_n(o['send_lag_p99_ms'])} | {_n(o.get('other_cpu_util'), 2)} |"
         )
     a = rows.get("aserve")
-    if a is not None:
+    if a is not None and a["admitted"] == 0:
+        lines += ["", f"aserve admitted none of the {a['sent']} requests (all refused): the "
+                  f"target of >= {TARGET_ADMITTED_IN_TIME} of admitted requests in time is "
+                  "vacuous here, and its goodput is 0."]  # fmt: skip
+    elif a is not None:
         share = a["admitted_in_time_share"]
         verdict = "met" if share >= TARGET_ADMITTED_IN_TIME else "missed"
         lines += ["", f"aserve: {_n(share, 3)} of admitted requests in time (target >= "
                   f"{TARGET_ADMITTED_IN_TIME}: {verdict})."]  # fmt: skip
+    st_a = (a or {}).get("aserve_stats")
+    if st_a:
+        lines.append(
+            f"aserve's own count in the window: {st_a['executions']} batches "
+            f"({st_a['items']} items), model busy {st_a['model_busy']:.0%}, mean queue wait "
+            f"{st_a['mean_queue_ms']:.0f} ms, refused as deadline-unmeetable (since start) "
+            f"{st_a['rejected'].get('deadline_unmeetable', 0)}, queue full "
+            f"{st_a['rejected'].get('queue_full', 0)}, timed out in queue {st_a['timed_out']}."
+        )
     return [*lines, ""]
 
 
