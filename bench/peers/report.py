@@ -244,6 +244,7 @@ def render(results: dict[str, Any], notes: str) -> str:
         f"- Load average before {f['loadavg_before']}, after {f['loadavg_after']}; busy "
         f"cores just before the start: {f['busy_cores_at_start']}. Each point's 'other load' "
         "is the cores kept busy by anything but the server and the load generator.",
+        f"- aserve from commit {f.get('aserve_source', 'unknown')}.",
         "- Versions: "
         + ", ".join(f"{k} {val}" for k, val in v.items())
         + f"; torch {f['versions']['torch']} (CPU build) in every environment.",

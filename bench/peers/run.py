@@ -91,6 +91,28 @@ def loadgen(
     return out
 
 
+def source_state() -> str:
+    """The commit aserve ran from, marked dirty when its files differ from it (shared trees)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "aserve"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head}{' with uncommitted changes in aserve/' if dirty else ''}" or "unknown"
+
+
 def scrub(results: dict[str, Any], names: dict[Path, str]) -> dict[str, Any]:
     """``results`` with this machine's folders (in logs and errors) replaced by names."""
     text = json.dumps(results)
@@ -215,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown server(s) {unknown}; known: {list(launch.SERVERS)}")
     started = time.time()
     facts = bench_report.machine_facts(shlex.join(["python", "-m", "bench.peers", *raw]))
+    facts["aserve_source"] = source_state()
     b0 = system_busy_seconds()
     time.sleep(1.0)
     facts["busy_cores_at_start"] = round(system_busy_seconds() - b0, 2)
