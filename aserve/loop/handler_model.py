@@ -52,6 +52,7 @@ class HandlerRuntime(ModelRuntime):
         self._preprocessing = 0
         self._preprocessing_items = 0
         self._preprocess_s = 0.0
+        self._tail_s = 0.0  # batch answered -> postprocess done (thread wait included)
 
     def _create_engine(self, path: Path | None) -> Engine:
         self._engine = PythonHandlerEngine(self.config, path, self._base_dir)
@@ -122,8 +123,15 @@ class HandlerRuntime(ModelRuntime):
                 raise DeadlineExceeded(
                     f"request deadline passed during preprocessing on '{self.label}'"
                 )
-            outputs = await super().infer(arrays, size, key, left, client_id, parameters)
+            # The batch must end early enough for postprocessing to finish in time too.
+            batch_left = max(left - self._tail_s, left / 2)
+            outputs = await super().infer(arrays, size, key, batch_left, client_id, parameters)
+            t0 = time.monotonic()
             response = await self._in_threads(handler.postprocess, "postprocess", outputs, request)
+            took = time.monotonic() - t0
+            self._tail_s = (
+                took if self._tail_s == 0.0 else self._tail_s + 0.2 * (took - self._tail_s)
+            )
             return self._response(response, batch_size)
         finally:
             self.inflight -= 1
@@ -142,7 +150,7 @@ class HandlerRuntime(ModelRuntime):
         backlog_s = (self._preprocessing // self._workers + 1) * self._preprocess_s
         self.batcher.check_admission(
             now,
-            deadline,
+            deadline - self._tail_s,  # the batch must leave postprocessing its time
             request.batch_size,
             ahead_requests=self._preprocessing,
             ahead_items=self._preprocessing_items,

@@ -30,7 +30,13 @@ from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
 from aserve.loop.request import InferenceRequest
 from aserve.scheduler.latency import ArrivalRate, LatencyModel
-from aserve.scheduler.policy import BatchLimits, QueueView, plan, predicted_finish
+from aserve.scheduler.policy import (
+    BatchLimits,
+    QueueView,
+    deadline_cap,
+    plan,
+    predicted_finish,
+)
 from aserve.stats import ModelStats
 
 log = logging.getLogger("aserve.batcher")
@@ -188,6 +194,8 @@ class Batcher:
             fifo = self._fifo
             while not fifo[0].queued:
                 fifo.popleft()
+            if self._shed_hopeless(now):
+                continue  # the queue changed: look at it again
             view = QueueView(self._queued_items, fifo[0].arrival, self._heap[0].deadline)
             decision = plan(now, view, self._free, self.limits, self.latency.estimate,
                             self._rate.per_second(now))  # fmt: skip
@@ -197,6 +205,40 @@ class Batcher:
             self._dispatch(self._form(decision.take, now), now)
         self._compact()
         self._arm_timer(wake_at)
+
+    def _shed_hopeless(self, now: float) -> bool:
+        """Answer the head of the queue now if it could only run in a batch less
+        than half as large as the queue allows; True if it did.
+
+        Batches never run past their earliest deadline (see the policy). Under
+        overload that alone spirals: the most urgent request has just enough
+        time to run alone, so it does, while the others age and become the next
+        most urgent, and a model that batches 16 in the time of 4 serves one at
+        a time. A request that can only be saved that way is given up (504)
+        so that the rest are served in time in batches worth running.
+        """
+        if not self.latency.known:
+            return False
+        heap = self._heap
+        while not heap[0].queued:
+            heapq.heappop(heap)
+        head = heap[0]
+        full = min(self._queued_items, self.limits.max_batch_size)
+        estimate = self.latency.estimate
+        if now + estimate(full) <= head.deadline:
+            return False  # no deadline pressure: the common case, one estimate
+        cap = deadline_cap(now, head.deadline, self.limits, estimate)
+        if 2 * cap >= full:
+            return False
+        heapq.heappop(heap)
+        self._unqueue(head)
+        self._stats.timed_out += 1
+        _fail(head, DeadlineExceeded(
+            f"request given up after {(now - head.arrival) * 1e3:.1f} ms in the queue of "
+            f"'{self.label}': {(head.deadline - now) * 1e3:.1f} ms left, enough only for a batch "
+            f"of {cap} while {full} wait; the server is overloaded"
+        ))  # fmt: skip
+        return True
 
     def _expire_queued(self, now: float) -> None:
         heap = self._heap
