@@ -137,7 +137,8 @@ def test_no_batch_runs_past_the_earliest_deadline_in_the_queue():
 def test_admission_counts_batches_capped_by_the_deadline():
     cost = fixed_cost(5e-3, 1e-3)
     plain = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[])
-    # 30 ahead + 1: without a deadline one batch of 31 (36 ms); with 20 ms per
-    # batch allowed, batches of 15: 15 + 15 + 1 on one instance = 20 + 20 + 6 ms.
+    # 30 ahead + 1: without a deadline one batch of 31 (36 ms). With 40 ms left,
+    # batches are sized to half of it (the queue's older requests have less):
+    # 20 ms per batch, so 15 + 15 + 1 on one instance = 20 + 20 + 6 ms.
     assert predicted_finish(0.0, 30, 1, 1, 0.0, plain, cost) == pytest.approx(0.036)
-    assert predicted_finish(0.0, 30, 1, 1, 0.0, plain, cost, deadline=0.020) == pytest.approx(0.046)
+    assert predicted_finish(0.0, 30, 1, 1, 0.0, plain, cost, deadline=0.040) == pytest.approx(0.046)
