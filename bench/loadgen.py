@@ -98,12 +98,14 @@ def build_get(target: Target) -> bytes:
 
 
 def _content_length(head: bytes) -> int:
-    # aiohttp writes the canonical spelling; fall back to a case-blind search.
-    i = head.find(b"Content-Length:")
+    # At a line start: "Inference-Header-Content-Length:" must not match. aiohttp
+    # writes the canonical spelling; fall back to a case-blind search.
+    i = head.find(b"\r\nContent-Length:")
     if i < 0:
-        i = head.lower().find(b"content-length:")
+        i = head.lower().find(b"\r\ncontent-length:")
         if i < 0:
             raise ProtocolError("response has no Content-Length (chunked is not supported)")
+    i += 2
     j = head.find(b"\r\n", i)
     return int(head[i + 15 : j if j >= 0 else len(head)])
 

@@ -136,3 +136,14 @@ async def test_open_loop_does_not_exceed_max_connections(server: Server) -> None
     assert r.peak_connections <= 2
     assert r.not_sent > 0 and r.sent <= 2 + 2  # two in flight, maybe two more after 0.3 s
     assert r.in_time_share < 1.0
+
+
+def test_content_length_is_read_from_its_own_header_not_a_longer_one() -> None:
+    from bench.loadgen import _content_length
+
+    head = (
+        b"HTTP/1.1 200 OK\r\nInference-Header-Content-Length: 70\r\n"
+        b"Content-Type: application/octet-stream\r\nContent-Length: 134"
+    )
+    assert _content_length(head) == 134
+    assert _content_length(b"HTTP/1.1 200 OK\r\ncontent-length: 9") == 9
