@@ -61,8 +61,9 @@ def inference_route(
     async def counting(request: web.Request) -> web.StreamResponse:
         started = perf_counter()
         rid = request[REQUEST_ID_KEY] = request_id(request.headers.get(REQUEST_ID_HEADER))
-        # This handler runs in its own task: the variable is this request's alone.
-        CURRENT.set(RequestInfo(rid))
+        if requests.access_log:  # nothing else reads it: no work per request without the log
+            # This handler runs in its own task: the variable is this request's alone.
+            CURRENT.set(RequestInfo(rid))
         try:
             with admission:
                 response = await handler(request)
