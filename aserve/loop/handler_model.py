@@ -129,9 +129,7 @@ class HandlerRuntime(ModelRuntime):
             t0 = time.monotonic()
             response = await self._in_threads(handler.postprocess, "postprocess", outputs, request)
             took = time.monotonic() - t0
-            self._tail_s = (
-                took if self._tail_s == 0.0 else self._tail_s + 0.2 * (took - self._tail_s)
-            )
+            self._tail_s = _moving_average(self._tail_s, took)
             return self._response(response, batch_size)
         finally:
             self.inflight -= 1
@@ -178,8 +176,7 @@ class HandlerRuntime(ModelRuntime):
         result = self._engine.handler.preprocess(request)
         took = time.perf_counter() - t0
         # A float store is atomic under the GIL; the loop only reads it.
-        old = self._preprocess_s
-        self._preprocess_s = took if old == 0.0 else old + 0.2 * (took - old)
+        self._preprocess_s = _moving_average(self._preprocess_s, took)
         return result
 
     async def _in_threads(self, fn: Callable[..., Any], stage: str, *args: Any) -> Any:
@@ -287,3 +284,8 @@ def _as_output(label: str, spec: TensorSpec, value: Any, batch_size: int) -> np.
             f"[{batch_size}, {', '.join(map(str, spec.shape))}]"
         )
     return arr
+
+
+def _moving_average(old: float, sample: float) -> float:
+    """The stage timings' estimate: the first sample, then 20% of each new one."""
+    return sample if old == 0.0 else old + 0.2 * (sample - old)
