@@ -16,7 +16,8 @@ submits one :class:`StepJob` at a time and gets it back through its
 as their validated settings (the child rebuilds them with
 :meth:`DecoderEngine.build_sequence`), the others by a key; outputs come back
 as plain fields. There is no thread on the parent side: the loop writes the
-request and reads the answer when the pipe is readable (``add_reader``).
+request and reads the answer through the pipe's transport
+(:mod:`aserve.engines.pipe`).
 
 The child owns the weights, the KV cache and every started sequence. It
 ignores SIGINT/SIGTERM (the server drains first, then stops it) and exits
@@ -45,6 +46,7 @@ from aserve import logs
 from aserve.config import GenerationConfig, GpuConfig
 from aserve.engines.decoder import DecoderEngine, SamplingParams, Sequence, StepOutput
 from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit
+from aserve.engines.pipe import PipeChannel, open_channel
 from aserve.engines.step_executor import StepJob
 
 log = logging.getLogger("aserve.executor")
@@ -78,7 +80,7 @@ class ProcessStepExecutor:
         self._on_lost = on_lost
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._channel: PipeChannel | None = None
         self._starting: asyncio.Future[None] | None = None  # until "ready" or a load error
         self._up = False
         self._job: StepJob | None = None
@@ -116,10 +118,10 @@ class ProcessStepExecutor:
             daemon=True,
         )
         self._starting = starting = loop.create_future()
-        self._conn, self._proc = parent, proc
+        self._proc = proc
         proc.start()
         child.close()  # the parent's copy: EOF must reach us when the child exits
-        loop.add_reader(parent.fileno(), self._on_readable)
+        self._channel = await open_channel(parent, self._on_message, self._on_exit)
         try:
             await starting
         except BaseException:
@@ -132,8 +134,8 @@ class ProcessStepExecutor:
 
     def submit(self, job: StepJob) -> None:
         """Send a step to the child (loop side, never waits for it)."""
-        conn = self._conn
-        if conn is None or not self.alive:
+        channel = self._channel
+        if channel is None or not self.alive:
             job.error = StepProcessError(f"the step process of '{self.name}' is restarting")
             self._finish(job)
             return
@@ -156,7 +158,7 @@ class ProcessStepExecutor:
         running = [self._keys[s] for s in job.running]
         self._job = job
         try:
-            conn.send_bytes(msgpack.packb(("step", free, new, running)))
+            channel.send(msgpack.packb(("step", free, new, running)))
         except OSError as exc:  # the child is gone; _on_readable sees the EOF next
             self._job = None
             job.error = StepProcessError(f"the step process of '{self.name}' is gone: {exc}")
@@ -167,27 +169,20 @@ class ProcessStepExecutor:
         self._stopping = True
         if self._restart is not None:
             self._restart.cancel()
-        proc, conn = self._proc, self._conn
-        self._drop_child()
-        if conn is not None:
+        proc, channel = self._proc, self._channel
+        if channel is not None:
             try:
-                conn.send_bytes(msgpack.packb(("stop",)))
+                channel.send(msgpack.packb(("stop",)))
             except OSError:
                 pass
-            conn.close()
+        self._drop_child()  # closes the channel once what was queued is written
         if proc is not None:
             await asyncio.to_thread(_reap, proc, timeout)
 
     # --- answers, on the loop ------------------------------------------------------
 
-    def _on_readable(self) -> None:
-        conn = self._conn
-        assert conn is not None
-        try:
-            while conn.poll():
-                self._handle(msgpack.unpackb(conn.recv_bytes(), use_list=True))
-        except (EOFError, OSError):
-            self._on_exit()
+    def _on_message(self, payload: bytes) -> None:
+        self._handle(msgpack.unpackb(payload, use_list=True))
 
     def _handle(self, msg: list[Any]) -> None:
         kind = msg[0]
@@ -247,13 +242,9 @@ class ProcessStepExecutor:
         self._restart = asyncio.ensure_future(self._restart_child())
 
     def _drop_child(self) -> None:
-        conn = self._conn
-        if conn is not None and self._loop is not None:
-            try:
-                self._loop.remove_reader(conn.fileno())
-            except (OSError, ValueError):
-                pass
-        self._conn = None
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
         self._up = False
 
     async def _restart_child(self) -> None:
