@@ -172,6 +172,8 @@ class GenerationConfig(_Frozen):
 
 # Engines whose models are not a weights file.
 _NO_PATH_ENGINES = ("python", "pipeline")
+# Engines whose instances can run in worker processes ("executor": "process").
+_PROCESS_ENGINES = ("torch", "python")
 
 
 class ModelConfig(_Frozen):
@@ -191,6 +193,9 @@ class ModelConfig(_Frozen):
     steps: list[PipelineStep] = []  # pipelines only
     device: str = "cpu"
     instances: Annotated[int, Field(ge=1, le=64)] = 1
+    # Where the instances run: threads of the server, or one worker process each
+    # (the model then never waits for the GIL the event loop holds).
+    executor: Literal["thread", "process"] = "thread"
     cpu_threads: Annotated[int, Field(ge=1, le=256)] = 1
     # A decoder model's tensors are fixed (text_input -> text_output); others must list theirs.
     inputs: Annotated[list[TensorSpec], Field(validate_default=True)] = []
@@ -255,6 +260,11 @@ class ModelConfig(_Frozen):
                 "handler: required with engine 'python'"
                 if engine == "python"
                 else f"handler: only for engine 'python' (this model's engine is '{engine}')"
+            )
+        if self.executor == "process" and engine not in _PROCESS_ENGINES:
+            raise ValueError(
+                f"executor: 'process' is for engines {', '.join(_PROCESS_ENGINES)} (this "
+                f"model's engine is '{engine}'; a decoder's steps use generation.step_process)"
             )
         if self.parameters and engine != "python":
             raise ValueError(f"parameters: only for engine 'python' (this one is '{engine}')")

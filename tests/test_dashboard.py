@@ -150,7 +150,7 @@ def test_stats_match_the_traffic(dash_server: ServerProcess) -> None:
     assert proc["rss_bytes"] > 16 * 2**20 and proc["rss_is_peak"] is False  # /proc here
     assert proc["cpu_count"] >= 1
     # gpt2 steps in a child process, whose CPU and memory are counted in.
-    assert proc["step_processes"] == 1
+    assert proc["child_processes"] == 1
     (child,) = [
         p
         for p in psutil.Process(dash_server.proc.pid).children()

@@ -37,6 +37,14 @@ class Engine(abc.ABC):
     def load(self) -> None:
         """Load weights onto the device. Raise with a clear message on failure."""
 
+    def load_front(self) -> None:  # noqa: B027 - optional hook
+        """What the server process needs when ``run`` happens in worker processes
+        (``"executor": "process"``): nothing, for engines that only ``run``."""
+
+    def load_worker(self) -> None:
+        """``load``, in a worker process (see :mod:`aserve.engines.process_pool`)."""
+        self.load()
+
     def create_instance(self, index: int) -> Any:
         """Per-thread state for instance ``index``; called on that thread."""
         return None

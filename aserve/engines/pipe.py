@@ -31,9 +31,7 @@ class PipeChannel(asyncio.Protocol):
     order; ``on_closed()`` once, when the child's end is closed (it exited).
     """
 
-    def __init__(
-        self, on_message: Callable[[bytes], None], on_closed: Callable[[], None]
-    ) -> None:
+    def __init__(self, on_message: Callable[[bytes], None], on_closed: Callable[[], None]) -> None:
         self._on_message = on_message
         self._on_closed = on_closed
         self._buf = bytearray()

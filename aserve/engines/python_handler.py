@@ -15,6 +15,12 @@ batched with other requests' (stacked along the first dimension) and handed
 to ``infer`` on an executor thread. Methods may run concurrently on several
 threads, so a handler must not keep per-request state on ``self``.
 
+With ``"executor": "process"`` the handler is loaded twice: in the server
+for ``preprocess`` and ``postprocess`` (``context.role`` "front") and in
+each worker process for ``infer`` (role "infer"); with threads, once (role
+"both"). A handler can skip what its role does not need (a front needs the
+tokenizer, not the weights).
+
 Everything in this module runs off the loop.
 """
 
@@ -59,6 +65,9 @@ class HandlerContext:
     parameters: dict[str, Any]
     inputs: list[TensorSpec]  # the model's V2 inputs, as configured
     outputs: list[TensorSpec]
+    # What this instance of the handler will be asked to do: "both" (every method),
+    # "front" (preprocess/postprocess, in the server) or "infer" (in a worker process).
+    role: str = "both"
 
 
 @dataclass
@@ -144,12 +153,21 @@ class PythonHandlerEngine(Engine):
         self.handler: Any = None
 
     def load(self) -> None:
+        self._load("both")
+
+    def load_front(self) -> None:
+        self._load("front")
+
+    def load_worker(self) -> None:
+        self._load("infer")
+
+    def _load(self, role: str) -> None:
         assert self.config.handler is not None
         cls = import_handler(self.config.handler, self.base_dir)
         c = self.config
         context = HandlerContext(
             c.name, c.version, c.device, c.instances, self.base_dir,
-            self.model_path, dict(c.parameters), list(c.inputs), list(c.outputs),
+            self.model_path, dict(c.parameters), list(c.inputs), list(c.outputs), role,
         )  # fmt: skip
         handler = cls()
         handler.load(context)

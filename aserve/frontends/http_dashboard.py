@@ -33,7 +33,6 @@ from aiohttp import web
 
 from aserve import __version__
 from aserve.frontends.http import json_response
-from aserve.loop.generation import GenerationRuntime
 from aserve.metrics import OK
 from aserve.stats import LATENCY_BUCKETS_S
 
@@ -106,13 +105,10 @@ def dashboard_stats(server: Server) -> dict[str, Any]:
             }
         )
     cpu_seconds, rss_bytes, rss_is_peak = process_usage()
-    # Decoder models step in child processes: their CPU and memory are the server's too.
-    step_pids = [
-        pid
-        for rt in server.registry
-        if isinstance(rt, GenerationRuntime) and (pid := rt.step_pid) is not None
-    ]
-    for pid in step_pids:
+    # Decoder models' step processes and batched models' worker processes: their
+    # CPU and memory are the server's too.
+    child_pids = [pid for rt in server.registry for pid in rt.worker_pids]
+    for pid in child_pids:
         child = child_usage(pid)
         if child is not None:
             cpu_seconds += child[0]
@@ -129,7 +125,7 @@ def dashboard_stats(server: Server) -> dict[str, Any]:
             "cpu_count": os.cpu_count() or 1,
             "rss_bytes": rss_bytes,
             "rss_is_peak": rss_is_peak,
-            "step_processes": len(step_pids),  # included in cpu_seconds and rss_bytes
+            "child_processes": len(child_pids),  # included in cpu_seconds and rss_bytes
         },
         "gpus": [
             {

@@ -130,6 +130,12 @@ class GenerationRuntime:
         executor = self._executor
         return executor.pid if isinstance(executor, ProcessStepExecutor) else None
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """The model's child processes: its step process, when it is up."""
+        pid = self.step_pid
+        return [] if pid is None else [pid]
+
     def _on_sequences_lost(self, error: BaseException) -> None:
         if self.batcher is not None:
             self.batcher.fail_running(error)

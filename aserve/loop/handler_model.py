@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from aserve.codecs.datatypes import numpy_dtype
-from aserve.config import ModelConfig, TensorSpec
+from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines.base import Engine
 from aserve.engines.python_handler import HandlerRequest, PythonHandlerEngine
 from aserve.errors import (
@@ -36,8 +36,8 @@ from aserve.loop.model import ModelRuntime, ModelState
 
 
 class HandlerRuntime(ModelRuntime):
-    def __init__(self, config: ModelConfig, base_dir: Path) -> None:
-        super().__init__(config, base_dir)
+    def __init__(self, config: ModelConfig, base_dir: Path, gpu: GpuConfig | None = None) -> None:
+        super().__init__(config, base_dir, gpu)
         self._engine: PythonHandlerEngine | None = None
         # Pre- and post-processing are per request and may be slow (decoding an
         # image): a few threads of the model's own keep them off the loop

@@ -17,10 +17,11 @@ import numpy as np
 
 from aserve import builtin_models
 from aserve.codecs.datatypes import numpy_dtype
-from aserve.config import ModelConfig
+from aserve.config import GpuConfig, ModelConfig
 from aserve.engines import create_engine
 from aserve.engines.base import Engine
 from aserve.engines.executor import BatchJob, ExecutorPool
+from aserve.engines.process_pool import ProcessPool, WorkerSpec
 from aserve.errors import Unavailable
 from aserve.logs import CURRENT
 from aserve.loop.request import InferenceRequest
@@ -54,8 +55,9 @@ class ModelState(enum.Enum):
 
 
 class ModelRuntime:
-    def __init__(self, config: ModelConfig, base_dir: Path) -> None:
+    def __init__(self, config: ModelConfig, base_dir: Path, gpu: GpuConfig | None = None) -> None:
         self.config = config
+        self.gpu = gpu or GpuConfig()  # the server's "gpu" block, for worker processes
         self.name = config.name
         self.version = config.version
         self.label = f"{config.name}/{config.version}"
@@ -68,13 +70,19 @@ class ModelRuntime:
         # Only models with a variable dimension need per-request shape grouping.
         self.variable_shapes = any(-1 in s.shape for s in config.inputs)
         self._base_dir = base_dir
-        self._pool: ExecutorPool | None = None
+        self._pool: ExecutorPool | ProcessPool | None = None
         self.batcher: Batcher | None = None
 
     @property
     def ready(self) -> bool:
-        """READY, and every executor thread running (none is being restarted)."""
+        """READY, and every executor thread or process running (none is being restarted)."""
         return self.state is ModelState.READY and (self._pool is None or self._pool.healthy)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The model's worker processes (none when its instances are threads)."""
+        pool = self._pool
+        return pool.pids if isinstance(pool, ProcessPool) else []
 
     def model_path(self) -> Path | None:
         """Where the weights are; builds builtin models. Blocking: call off the loop."""
@@ -90,16 +98,29 @@ class ModelRuntime:
         t0 = time.perf_counter()
         path = await asyncio.to_thread(self.model_path)
         engine = self._create_engine(path)
-        await asyncio.to_thread(engine.load)
+        c = self.config
+        if c.executor == "process":
+            await asyncio.to_thread(engine.load_front)
+            spec = WorkerSpec(
+                c, None if path is None else str(path), str(self._base_dir), self.gpu.model_dump()
+            )
+            self._pool = ProcessPool(spec, engine, c.instances, self.name)
+        else:
+            await asyncio.to_thread(engine.load)
+            self._pool = ExecutorPool(engine, c.instances, self.name)
         self._serve_specs_of(engine.config)
-        self._pool = ExecutorPool(engine, self.config.instances, self.name)
-        await self._pool.start()
+        try:
+            await self._pool.start()
+        except BaseException:
+            await asyncio.to_thread(engine.unload)
+            raise
         self.batcher = Batcher(self.label, self.config.batching, self._pool, self.stats)
         await self._warm_up()
         self.state = ModelState.READY
         log.info(
-            "model %s loaded from %s on %s (%d instance(s), %.2fs); batch latency %s",
+            "model %s loaded from %s on %s (%d instance(s), %s executor, %.2fs); batch latency %s",
             self.label, path or self.config.handler, self.config.device, self.config.instances,
+            self.config.executor,
             time.perf_counter() - t0,
             {k: f"{v * 1e3:.2f}ms" for k, v in self.batcher.latency.snapshot().items()},
         )  # fmt: skip
@@ -153,7 +174,8 @@ class ModelRuntime:
             raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
         if self._pool is not None and not self._pool.healthy:
             raise Unavailable(
-                f"model '{self.label}' is not ready: an executor thread died and is restarting"
+                f"model '{self.label}' is not ready: an executor {self.config.executor} died "
+                "and is restarting"
             )
         self.batcher.submit(req)
 

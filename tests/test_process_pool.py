@@ -1,0 +1,258 @@
+"""Batched models with ``"executor": "process"``: the instances run in worker
+processes, answer as threads would, and a worker that dies is replaced while
+the server goes on serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import psutil
+import pytest
+import torch
+from conftest import ServerProcess, model_entry, spec, start_server, write_config
+from reload_helpers import copy_handler, wait_log
+
+from aserve.config import ConfigError, parse_config
+from aserve.engines.wire import WireError, pack_arrays, unpack_arrays
+
+pytestmark = pytest.mark.timeout(120)
+
+EXIT, KILL = -999.0, -777.0
+
+
+def probe_model(name: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name, "engine": "python", "handler": "worker_probe:Probe", "executor": "process",
+        "inputs": [spec("X", "FP32", [2])],
+        "outputs": [spec("Y", "FP32", [2]), spec("PID", "INT64", [1])],
+        "batching": {"max_batch_size": 4, "max_delay_ms": 1}, **extra,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def procs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("process-pool")
+    copy_handler(folder, "worker_probe")
+    affine = {
+        "inputs": [spec("INPUT0", "FP32", [16])], "outputs": [spec("OUTPUT0", "FP32", [16])],
+        "batching": {"max_batch_size": 8, "max_delay_ms": 2.0},
+    }  # fmt: skip
+    models = [
+        model_entry(
+            "affine_proc", str(model_dir / "affine.pt"), executor="process", instances=2, **affine
+        ),
+        model_entry("affine_thread", str(model_dir / "affine.pt"), **affine),
+        probe_model("probe"),
+    ]
+    srv = start_server(write_config(folder, {"models": models}))
+    yield srv
+    srv.stop()
+
+
+def workers(srv: ServerProcess) -> list[psutil.Process]:
+    """The server's worker processes (multiprocessing's spawned children)."""
+    return [
+        p
+        for p in psutil.Process(srv.proc.pid).children()
+        if "multiprocessing" in " ".join(p.cmdline())
+        and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+
+
+def affine_body(rows: np.ndarray) -> dict[str, Any]:
+    return {"inputs": [{"name": "INPUT0", "shape": list(rows.shape), "datatype": "FP32",
+                        "data": rows.reshape(-1).tolist()}]}  # fmt: skip
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with session.post(url, json=body) as r:
+        return r.status, await r.json()
+
+
+async def probe(session: aiohttp.ClientSession, base: str, x: float) -> tuple[int, Any]:
+    body = {"inputs": [{"name": "X", "shape": [1, 2], "datatype": "FP32", "data": [x, 1.0]}]}
+    return await post(session, f"{base}/v2/models/probe/infer", body)
+
+
+async def wait_ready(session: aiohttp.ClientSession, base: str, model: str) -> None:
+    for _ in range(1500):
+        async with session.get(f"{base}/v2/models/{model}/ready") as r:
+            if r.status == 200:
+                return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"model {model} never became ready again")
+
+
+async def test_process_and_thread_instances_answer_alike(
+    procs: ServerProcess, eager_models: dict[str, Any]
+) -> None:
+    rng = np.random.default_rng(5)
+    batches = [rng.standard_normal((int(rng.integers(1, 4)), 16)).astype(np.float32)
+               for _ in range(48)]  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        answers = {}
+        for model in ("affine_proc", "affine_thread"):
+            url = f"{procs.base}/v2/models/{model}/infer"
+            answers[model] = await asyncio.gather(
+                *(post(session, url, affine_body(b)) for b in batches)
+            )
+        async with session.get(f"{procs.base}/v2/models/affine_proc/stats") as r:
+            stats = (await r.json())["model_stats"][0]
+        async with session.get(f"{procs.base}/v2/dashboard/stats") as r:
+            dashboard = await r.json()
+    pairs = zip(answers["affine_proc"], answers["affine_thread"], strict=True)
+    for rows, ((s1, d1), (s2, d2)) in zip(batches, pairs, strict=True):
+        assert s1 == s2 == 200
+        # Close, not equal: the batches (and so the matmul kernels) differ between the two.
+        np.testing.assert_allclose(d1["outputs"][0]["data"], d2["outputs"][0]["data"], rtol=1e-5)
+        with torch.no_grad():
+            want = eager_models["affine"](torch.from_numpy(rows)).numpy().reshape(-1)
+        np.testing.assert_allclose(d1["outputs"][0]["data"], want, rtol=1e-5, atol=1e-5)
+    # Concurrent requests were batched together in the workers.
+    assert stats["execution_count"] < stats["inference_count"]
+    # Two affine workers and the probe's: counted in the dashboard's process figures.
+    assert dashboard["process"]["child_processes"] == 3
+    assert len(workers(procs)) == 3
+
+
+async def test_handler_infer_runs_in_a_worker_and_the_rest_in_the_server(
+    procs: ServerProcess,
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        status, doc = await probe(session, procs.base, 1.5)
+    assert status == 200, doc
+    out = {o["name"]: o["data"] for o in doc["outputs"]}
+    assert out["Y"] == [3.0, 2.0]
+    pid = out["PID"][0]
+    assert pid != procs.proc.pid
+    assert pid in [p.pid for p in workers(procs)]
+
+
+async def test_a_worker_that_dies_is_replaced(procs: ServerProcess) -> None:
+    base = procs.base
+    async with aiohttp.ClientSession() as session:
+        status, doc = await probe(session, base, 1.0)
+        assert status == 200
+        first = doc["outputs"][1]["data"][0]
+
+        # SystemExit in infer: the worker exits, its batch fails with a reason.
+        status, doc = await probe(session, base, EXIT)
+        assert status == 500
+        assert doc["error"].startswith(
+            "model 'probe/1' failed: the worker process 0 of 'probe' exited (exit code 1): "
+            "SystemExit: exit on purpose"
+        ), doc
+        await wait_ready(session, base, "probe")
+        status, doc = await probe(session, base, 2.0)
+        assert status == 200 and doc["outputs"][0]["data"] == [4.0, 2.0]
+        second = doc["outputs"][1]["data"][0]
+        assert second != first and not psutil.pid_exists(first)
+
+        # Killed from outside while idle: not ready until the replacement is up.
+        os.kill(second, signal.SIGKILL)
+        for _ in range(500):
+            async with session.get(f"{base}/v2/models/probe/ready") as r:
+                if r.status != 200:
+                    break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the model stayed ready with its worker killed")
+        status, doc = await probe(session, base, 3.0)
+        assert status in (200, 503), doc
+        if status == 503:
+            assert "an executor process died and is restarting" in doc["error"]
+        await wait_ready(session, base, "probe")
+
+        # Killed mid-batch (SIGKILL from inside infer): that batch fails, the next is served.
+        status, doc = await probe(session, base, KILL)
+        assert status == 500 and "exit code -9" in doc["error"], doc
+        await wait_ready(session, base, "probe")
+        status, doc = await probe(session, base, 4.0)
+        assert status == 200 and doc["outputs"][0]["data"] == [8.0, 2.0]
+        # The other models were served throughout.
+        rows = np.ones((1, 16), np.float32)
+        status, _ = await post(session, f"{base}/v2/models/affine_proc/infer", affine_body(rows))
+        assert status == 200
+    wait_log(procs, "worker process 0 of 'probe' is back (restart 3)")
+    assert len(workers(procs)) == 3
+    assert procs.proc.poll() is None
+
+
+def test_a_worker_that_cannot_load_stops_the_start_with_its_reason(tmp_path: Path) -> None:
+    copy_handler(tmp_path, "worker_probe")
+    config = write_config(
+        tmp_path, {"models": [probe_model("probe", parameters={"fail_in": "infer"})]}
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "aserve", "--config", str(config), "--port", "0"],
+        capture_output=True, text=True, timeout=90,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert (
+        "model 'probe/1' failed to load: RuntimeError: cannot load in role infer" in done.stderr
+    ), done.stderr
+
+
+def test_wire_round_trip_and_refusals() -> None:
+    arrays = {
+        "f": np.arange(6, dtype=np.float16).reshape(2, 3),
+        "b": np.array([[True, False]]),
+        "s": np.array([[b"ab", b""]], dtype=object),
+        "t": np.asfortranarray(np.arange(4, dtype=np.int64).reshape(2, 2)),
+        "e": np.zeros((0, 3), np.float32),
+    }
+    back = unpack_arrays(pack_arrays(arrays), writable=True)
+    for name, arr in arrays.items():
+        assert back[name].dtype == arr.dtype and back[name].shape == arr.shape
+        assert back[name].tolist() == arr.tolist()
+        assert back[name].flags.writeable
+    with pytest.raises(WireError, match="array 'o' holds a dict"):
+        pack_arrays({"o": np.array([{}], dtype=object)})
+
+
+def test_process_executor_is_for_torch_and_python_engines() -> None:
+    with pytest.raises(ConfigError, match="executor: 'process' is for engines torch, python"):
+        parse_config({"models": [{"name": "m", "engine": "onnx", "path": "m.onnx",
+                                  "executor": "process"}]})  # fmt: skip
+
+
+async def test_pipe_channel_reassembles_messages_split_across_writes() -> None:
+    """The bug this channel replaced: Connection.recv_bytes on the loop's
+    non-blocking fd failed on a message written in two parts (over 16 KiB)."""
+    import multiprocessing
+    import threading
+
+    from aserve.engines.pipe import open_channel
+
+    parent, child = multiprocessing.Pipe(duplex=True)
+    got: list[bytes] = []
+    closed = asyncio.Event()
+    channel = await open_channel(parent, got.append, closed.set)
+    sizes = [10, 20_000, 5_000_000, 0, 16_385]
+    payloads = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+
+    def child_side() -> None:
+        for p in payloads:
+            child.send_bytes(p)  # header and body in separate writes above 16 KiB
+        echoed.append(child.recv_bytes())
+        child.close()
+
+    echoed: list[bytes] = []
+    thread = threading.Thread(target=child_side)
+    thread.start()
+    channel.send(b"x" * 3_000_000)
+    await asyncio.wait_for(closed.wait(), 10)
+    thread.join(5)
+    assert got == payloads
+    assert echoed == [b"x" * 3_000_000]
+    with pytest.raises(OSError):
+        channel.send(b"after the end")
