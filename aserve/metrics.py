@@ -210,6 +210,12 @@ class ServerCollector(Collector):
             "Batches (decoders: engine steps) running in the model's executor threads.",
             labels=mv,
         )
+        margin = GaugeMetricFamily(
+            "aserve_admission_margin_ratio",
+            "How much longer than its measured latencies admission control assumes a "
+            "request takes: 1 unless admitted requests have been missing their deadlines.",
+            labels=mv,
+        )
         executions = CounterMetricFamily(
             "aserve_batch_executions", "Batch executions (decoders: engine steps).", labels=mv
         )
@@ -257,6 +263,8 @@ class ServerCollector(Collector):
             batch_h.add_metric(labels, st.batch_size.cumulative(), st.batch_size.sum)
             queued.add_metric(labels, doc["pending_request_count"])
             running.add_metric(labels, doc["running_batch_count"])
+            if "admission_margin" in doc:
+                margin.add_metric(labels, doc["admission_margin"])
             executions.add_metric(labels, st.execution_count)
             inferences.add_metric(labels, st.inference_count)
             for reason, n in sorted(st.rejected.items()):
@@ -278,6 +286,7 @@ class ServerCollector(Collector):
             batch_h,
             queued,
             running,
+            margin,
             executions,
             inferences,
             rejected,

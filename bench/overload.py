@@ -117,7 +117,8 @@ def render(results: dict[str, Any]) -> str:
                 f"{st['mean_batch_size']:.1f}), model busy {st['model_busy']:.0%}, mean queue "
                 f"wait {st['mean_queue_ms']:.0f} ms, refused as deadline-unmeetable (since start) "
                 f"{st['rejected'].get('deadline_unmeetable', 0)}, timed out in queue "
-                f"{st['timed_out']}; ms per batch by size: "
+                f"{st['timed_out']}, admission margin at the end "
+                f"{st.get('admission_margin') or float('nan'):.2f}; ms per batch by size: "
                 + ", ".join(f"{k}: {v:.0f}" for k, v in st["model_ms_by_size"].items())
                 + "."
             )

@@ -53,6 +53,7 @@ def window_delta(before: dict[str, Any], after: dict[str, Any], window_s: float)
         "mean_queue_ms": queue_ns / requests / 1e6 if requests else 0.0,
         "rejected": after["rejected"],
         "timed_out": after["timed_out"] - before["timed_out"],
+        "admission_margin": after.get("admission_margin"),
     }
 
 

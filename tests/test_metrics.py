@@ -131,6 +131,7 @@ def test_counters_match_the_requests_sent(metrics_server: ServerProcess) -> None
     assert value(m, "aserve_inferences_total", **affine) == 11
     assert value(m, "aserve_queue_requests", **affine) == 0
     assert value(m, "aserve_running_batches", **affine) == 0
+    assert value(m, "aserve_admission_margin_ratio", **affine) == 1.0  # nothing missed
     assert value(m, "aserve_rejected_requests_total", **affine, reason="queue_full") == 0
     buckets = [
         (float(dict(k)["le"]), v)

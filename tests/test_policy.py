@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from aserve.scheduler.latency import ArrivalRate, LatencyModel
+from aserve.scheduler.latency import AdmissionMargin, ArrivalRate, LatencyModel
 from aserve.scheduler.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
 
 LIMITS = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[8, 16, 32])
@@ -142,3 +142,35 @@ def test_admission_counts_batches_capped_by_the_deadline():
     # 20 ms per batch, so 15 + 15 + 1 on one instance = 20 + 20 + 6 ms.
     assert predicted_finish(0.0, 30, 1, 1, 0.0, plain, cost) == pytest.approx(0.036)
     assert predicted_finish(0.0, 30, 1, 1, 0.0, plain, cost, deadline=0.040) == pytest.approx(0.046)
+
+
+def test_high_estimate_widens_with_the_jitter_of_batches():
+    lat = LatencyModel(8)
+    for _ in range(30):
+        lat.observe(4, 0.040)
+    assert lat.high(4) == pytest.approx(lat.estimate(4), rel=1e-3)  # steady: no widening
+    for i in range(60):
+        lat.observe(4, 0.030 if i % 2 else 0.050)  # +-25% around the mean
+    assert lat.estimate(4) == pytest.approx(0.040, rel=0.1)
+    assert 1.3 < lat.high(4) / lat.estimate(4) < 1.7
+
+
+def test_admission_margin_rises_once_per_burst_and_decays_with_successes():
+    margin = AdmissionMargin(raise_by=0.25, lower_by=0.01)
+    for _ in range(50):
+        margin.served()
+    assert margin.factor == 1.0  # never below 1: an unloaded server admits on the prediction
+    for i in range(8):  # one slow batch fails 8 requests within one deadline's length
+        margin.missed(now=10.0 + 0.001 * i, hold=0.2)
+    assert margin.factor == pytest.approx(1.25)
+    margin.missed(now=10.3, hold=0.2)  # a miss after the hold raises again
+    assert margin.factor == pytest.approx(1.25**2)
+    for _ in range(10):
+        margin.served()
+    assert margin.factor == pytest.approx(1.25**2 * 0.99**10)
+    for _ in range(1000):
+        margin.served()
+    assert margin.factor == 1.0
+    for i in range(100):
+        margin.missed(now=20.0 + i, hold=0.2)
+    assert margin.factor == 4.0  # capped

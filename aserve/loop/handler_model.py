@@ -52,7 +52,10 @@ class HandlerRuntime(ModelRuntime):
         self._preprocessing = 0
         self._preprocessing_items = 0
         self._preprocess_s = 0.0
-        self._tail_s = 0.0  # batch answered -> postprocess done (thread wait included)
+        # Batch answered -> postprocess done (thread wait included): the time a batch
+        # must leave, as a high estimate (mean + 2 deviations), since a request whose
+        # postprocess runs long is as late as one whose batch did.
+        self._tail = _Spread()
 
     def _create_engine(self, path: Path | None) -> Engine:
         self._engine = PythonHandlerEngine(self.config, path, self._base_dir)
@@ -124,12 +127,15 @@ class HandlerRuntime(ModelRuntime):
                     f"request deadline passed during preprocessing on '{self.label}'"
                 )
             # The batch must end early enough for postprocessing to finish in time too.
-            batch_left = max(left - self._tail_s, left / 2)
+            batch_left = max(left - self._tail.high, left / 2)
             outputs = await super().infer(arrays, size, key, batch_left, client_id, parameters)
             t0 = time.monotonic()
             response = await self._in_threads(handler.postprocess, "postprocess", outputs, request)
-            took = time.monotonic() - t0
-            self._tail_s = _moving_average(self._tail_s, took)
+            done = time.monotonic()
+            self._tail.add(done - t0)
+            if done > deadline and self.batcher is not None:
+                # Answered, but too late for the client: admission was too optimistic.
+                self.batcher.margin.missed(done, timeout_s)
             return self._response(response, batch_size)
         finally:
             self.inflight -= 1
@@ -148,7 +154,7 @@ class HandlerRuntime(ModelRuntime):
         backlog_s = (self._preprocessing // self._workers + 1) * self._preprocess_s
         self.batcher.check_admission(
             now,
-            deadline - self._tail_s,  # the batch must leave postprocessing its time
+            deadline - self._tail.high,  # the batch must leave postprocessing its time
             request.batch_size,
             ahead_requests=self._preprocessing,
             ahead_items=self._preprocessing_items,
@@ -289,3 +295,24 @@ def _as_output(label: str, spec: TensorSpec, value: Any, batch_size: int) -> np.
 def _moving_average(old: float, sample: float) -> float:
     """The stage timings' estimate: the first sample, then 20% of each new one."""
     return sample if old == 0.0 else old + 0.2 * (sample - old)
+
+
+class _Spread:
+    """A moving mean and mean deviation of a timing (20% per sample)."""
+
+    __slots__ = ("dev", "mean")
+
+    def __init__(self) -> None:
+        self.mean = 0.0
+        self.dev = 0.0
+
+    def add(self, sample: float) -> None:
+        if self.mean == 0.0:
+            self.mean = sample
+            return
+        self.dev += 0.2 * (abs(sample - self.mean) - self.dev)
+        self.mean += 0.2 * (sample - self.mean)
+
+    @property
+    def high(self) -> float:
+        return self.mean + 2.0 * self.dev

@@ -306,7 +306,10 @@ class ModelRuntime:
 
     def statistics(self) -> dict[str, Any]:
         b = self.batcher
-        return self.stats.as_dict(b.pending if b else 0, b.running if b else 0)
+        doc = self.stats.as_dict(b.pending if b else 0, b.running if b else 0)
+        if b is not None:
+            doc["admission_margin"] = b.margin.factor  # an aserve extension, like "rejected"
+        return doc
 
     async def unload(self) -> None:
         """Refuse new work, let running batches end, stop threads, free the model."""

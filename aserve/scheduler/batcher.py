@@ -29,7 +29,7 @@ from aserve.config import BatchingConfig
 from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
 from aserve.loop.request import InferenceRequest
-from aserve.scheduler.latency import ArrivalRate, LatencyModel
+from aserve.scheduler.latency import AdmissionMargin, ArrivalRate, LatencyModel
 from aserve.scheduler.policy import (
     BatchLimits,
     QueueView,
@@ -72,6 +72,7 @@ class Batcher:
         self.max_queue_size = batching.max_queue_size
         self.latency = LatencyModel(batching.max_batch_size)
         self._rate = ArrivalRate()
+        self.margin = AdmissionMargin()
         self._pool = pool
         self._stats = stats
         self._loop = asyncio.get_running_loop()
@@ -146,12 +147,18 @@ class Batcher:
         if deadline <= now:
             raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
         if self.latency.known:
+            # Promises are made on pessimistic latencies (see LatencyModel.high).
+            high = self.latency.high
             start = now if ready_at is None else ready_at
-            first_free = start if self._free > 0 else min(r.expected_end for r in self._running)
+            first_free = (
+                start if self._free > 0 else min(r.started + high(r.size) for r in self._running)
+            )
             finish = predicted_finish(
                 start, self._queued_items + ahead_items, items, self._pool.instances,
-                first_free, self.limits, self.latency.estimate, deadline,
+                first_free, self.limits, high, deadline,
             )  # fmt: skip
+            # What recent misses say the prediction is short by (1.0 unless overloaded).
+            finish = now + (finish - now) * self.margin.factor
             if finish > deadline:
                 self._stats.rejected["deadline_unmeetable"] += 1
                 raise Unavailable(
@@ -233,6 +240,7 @@ class Batcher:
         heapq.heappop(heap)
         self._unqueue(head)
         self._stats.timed_out += 1
+        self.margin.missed(now, head.deadline - head.arrival)
         _fail(head, DeadlineExceeded(
             f"request given up after {(now - head.arrival) * 1e3:.1f} ms in the queue of "
             f"'{self.label}': {(head.deadline - now) * 1e3:.1f} ms left, enough only for a batch "
@@ -247,6 +255,7 @@ class Batcher:
             if req.queued:
                 self._unqueue(req)
                 self._stats.timed_out += 1
+                self.margin.missed(now, req.deadline - req.arrival)
                 _fail(req, DeadlineExceeded(
                     f"request timed out after {(now - req.arrival) * 1e3:.1f} ms waiting in the "
                     f"queue of '{self.label}'"
@@ -313,6 +322,7 @@ class Batcher:
                     stats.fail.add(int((now - req.arrival) * 1e9))
         else:
             offset = 0
+            margin = self.margin
             for req in requests:
                 n = req.batch_size
                 fut = req.future
@@ -321,6 +331,7 @@ class Batcher:
                     # Views, not copies: each request gets its rows of the batch.
                     fut.set_result({k: v[offset : offset + n] for k, v in outputs.items()})
                     stats.success.add(int((now - req.arrival) * 1e9))
+                    margin.served()
                 offset += n
         stats.record_batch(running.size, len(requests), job.input_ns, job.infer_ns,
                            time.perf_counter_ns() - t0)  # fmt: skip
@@ -335,6 +346,7 @@ class Batcher:
                 continue
             if req.deadline <= now:
                 self._stats.timed_out += 1
+                self.margin.missed(now, req.deadline - req.arrival)
                 _fail(req, DeadlineExceeded(
                     f"request timed out after {(now - req.arrival) * 1e3:.1f} ms; the model "
                     f"'{self.label}' was still running its batch"

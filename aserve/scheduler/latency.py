@@ -20,13 +20,16 @@ class LatencyModel:
     estimates 0.0 and callers treat the model as "unknown".
     """
 
-    __slots__ = ("_alpha", "_max", "_measured", "_sizes")
+    __slots__ = ("_alpha", "_max", "_measured", "_sizes", "spread")
 
     def __init__(self, max_batch_size: int, alpha: float = 0.2) -> None:
         self._max = max_batch_size
         self._alpha = alpha
         self._measured: dict[int, float] = {}
         self._sizes: list[int] = []  # measured sizes, ascending
+        # How far a batch's time strays from its estimate, relative, on average
+        # (one figure for all sizes: the jitter comes from the machine, not the size).
+        self.spread = 0.0
 
     @property
     def known(self) -> bool:
@@ -35,6 +38,10 @@ class LatencyModel:
     def observe(self, size: int, seconds: float) -> None:
         size = min(max(size, 1), self._max)
         old = self._measured.get(size)
+        expected = self.estimate(size)
+        if expected > 0.0:
+            off = min(abs(seconds / expected - 1.0), 1.0)  # one stall counts as 100%, no more
+            self.spread += 0.1 * (off - self.spread)
         if old is None:
             self._measured[size] = seconds
             bisect.insort(self._sizes, size)
@@ -64,6 +71,11 @@ class LatencyModel:
             return measured[top] * size / top
         lo, hi = sizes[i - 1], sizes[i]
         return measured[lo] + (size - lo) / (hi - lo) * (measured[hi] - measured[lo])
+
+    def high(self, size: int) -> float:
+        """A pessimistic estimate: the mean plus twice the usual deviation from it,
+        for promises (admission), where a batch that runs long breaks one."""
+        return self.estimate(size) * (1.0 + 2.0 * self.spread)
 
     def snapshot(self) -> dict[int, float]:
         """Measured sizes and their estimates, for statistics and logs."""
@@ -99,3 +111,45 @@ class ArrivalRate:
         # Silence since the last arrival also counts as a gap in progress.
         gap = max(self._gap, now - self._last)
         return 1.0 / gap if gap > 0 else math.inf
+
+
+class AdmissionMargin:
+    """How much longer than predicted admission control assumes a request takes.
+
+    The predictions come from mean batch latencies and a queue drained in
+    ideal batches; under overload the truth varies around them (batches run
+    slower while the machine is busy, the queue drains in smaller batches
+    than planned), and a request admitted on a prediction that was a little
+    short misses its deadline. So admission multiplies each prediction by
+    ``factor``, steered by what happens to the admitted: a miss raises it by
+    ``raise_by``, every request served in time lowers it by ``lower_by``,
+    never below 1. An idle or lightly loaded server, which misses nothing,
+    stays at 1 and admits exactly on the prediction.
+
+    Misses come in bursts (one slow batch fails all of its requests, and
+    every request admitted before the raise was admitted on the old factor),
+    so after a raise the next one waits ``hold`` seconds: the missed
+    request's own time budget, within which those admitted before it are
+    answered (as TCP cuts its window at most once per round trip).
+    """
+
+    __slots__ = ("_ceiling", "_down", "_hold_until", "_up", "factor")
+
+    def __init__(
+        self, raise_by: float = 0.25, lower_by: float = 0.0003, ceiling: float = 4.0
+    ) -> None:
+        self._up = 1.0 + raise_by
+        self._down = 1.0 - lower_by
+        self._ceiling = ceiling
+        self._hold_until = 0.0
+        self.factor = 1.0
+
+    def missed(self, now: float, hold: float) -> None:
+        if now < self._hold_until:
+            return
+        self.factor = min(self.factor * self._up, self._ceiling)
+        self._hold_until = now + hold
+
+    def served(self) -> None:
+        if self.factor > 1.0:
+            self.factor = max(self.factor * self._down, 1.0)
