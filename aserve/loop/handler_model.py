@@ -34,6 +34,9 @@ from aserve.errors import (
 )
 from aserve.loop.model import ModelRuntime, ModelState
 
+# The last part of a request's time budget that its answer needs to reach the client.
+ANSWER_SLACK = 0.05
+
 
 class HandlerRuntime(ModelRuntime):
     def __init__(self, config: ModelConfig, base_dir: Path, gpu: GpuConfig | None = None) -> None:
@@ -133,8 +136,10 @@ class HandlerRuntime(ModelRuntime):
             response = await self._in_threads(handler.postprocess, "postprocess", outputs, request)
             done = time.monotonic()
             self._tail.add(done - t0)
-            if done > deadline and self.batcher is not None:
-                # Answered, but too late for the client: admission was too optimistic.
+            if done > deadline - ANSWER_SLACK * timeout_s and self.batcher is not None:
+                # Answered too late for the client, or so close to its deadline that
+                # encoding and sending the answer (behind whatever else the loop has
+                # to do) may well make it late: admission was too optimistic.
                 self.batcher.margin.missed(done, timeout_s)
             return self._response(response, batch_size)
         finally:
