@@ -136,7 +136,7 @@ class AdmissionMargin:
     __slots__ = ("_ceiling", "_down", "_hold_until", "_up", "factor")
 
     def __init__(
-        self, raise_by: float = 0.25, lower_by: float = 0.0003, ceiling: float = 4.0
+        self, raise_by: float = 0.25, lower_by: float = 0.0002, ceiling: float = 4.0
     ) -> None:
         self._up = 1.0 + raise_by
         self._down = 1.0 - lower_by
