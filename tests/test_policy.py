@@ -174,3 +174,60 @@ def test_admission_margin_rises_once_per_burst_and_decays_with_successes():
     for i in range(100):
         margin.missed(now=20.0 + i, hold=0.2)
     assert margin.factor == 4.0  # capped
+
+
+class _Copy:
+    """A stand-in engine for the batcher's admission: returns its input."""
+
+    inline_capable = False
+
+    def create_instance(self, index: int) -> None:
+        return None
+
+    def stack_inputs(self, parts):
+        import numpy as np
+
+        return {"X": np.concatenate([p["X"] for p in parts])}
+
+    def check_outputs(self, outputs, batch_size: int) -> None:
+        pass
+
+    def run(self, inputs, instance):
+        return {"Y": inputs["X"]}
+
+
+async def test_a_request_that_would_run_at_once_is_admitted_whatever_the_margin():
+    """An old margin must not make a model whose load fell refuse everything: only
+    a request that would wait has its prediction stretched by it."""
+    import asyncio
+    import time
+
+    import numpy as np
+
+    from aserve.config import BatchingConfig
+    from aserve.engines.executor import ExecutorPool
+    from aserve.errors import Unavailable
+    from aserve.loop.request import InferenceRequest
+    from aserve.scheduler.batcher import Batcher
+    from aserve.stats import ModelStats
+
+    pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
+    await pool.start()
+    try:
+        batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"))
+        for size in (1, 4):
+            batcher.latency.observe(size, 0.050)
+        batcher.margin.factor = 4.0  # left high by an earlier overload
+        now = time.monotonic()
+        batcher.check_admission(now, now + 0.100, 1)  # idle: 50 ms of 100, admitted
+        loop = asyncio.get_running_loop()
+        ahead = InferenceRequest({"X": np.zeros((1, 1), np.float32)}, 1, (), now, now + 1.0,
+                                 loop.create_future(), None, None)  # fmt: skip
+        batcher.submit(ahead)  # queued (dispatched on the next loop pass)
+        with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
+            batcher.check_admission(now, now + 0.150, 1)  # would wait: 4 x 50 ms
+        batcher.margin.factor = 1.0
+        batcher.check_admission(now, now + 0.150, 1)  # one batch of both: 50 ms of 150
+        await asyncio.wait_for(ahead.future, 5)
+    finally:
+        await pool.stop()

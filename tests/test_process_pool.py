@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,15 @@ import torch
 from conftest import ServerProcess, model_entry, spec, start_server, write_config
 from reload_helpers import copy_handler, wait_log
 
-from aserve.config import ConfigError, parse_config
+from aserve.config import ConfigError, ModelConfig, parse_config
+from aserve.engines.executor import BatchJob
+from aserve.engines.process_pool import ProcessPool, WorkerSpec
+from aserve.engines.python_handler import PythonHandlerEngine
 from aserve.engines.wire import WireError, pack_arrays, unpack_arrays
 
 pytestmark = pytest.mark.timeout(120)
 
-EXIT, KILL = -999.0, -777.0
+EXIT, KILL, SLOW = -999.0, -777.0, -555.0
 
 
 def probe_model(name: str, **extra: Any) -> dict[str, Any]:
@@ -256,3 +259,60 @@ async def test_pipe_channel_reassembles_messages_split_across_writes() -> None:
     assert echoed == [b"x" * 3_000_000]
     with pytest.raises(OSError):
         channel.send(b"after the end")
+
+
+async def _pool(tmp_path: Path) -> ProcessPool:
+    copy_handler(tmp_path, "worker_probe")
+    config = ModelConfig(**probe_model("probe"))
+    front = PythonHandlerEngine(config, None, tmp_path)
+    pool = ProcessPool(WorkerSpec(config, None, str(tmp_path)), front, 1, "probe")
+    await pool.start()
+    return pool
+
+
+def _job(x: float, done: Callable[[BatchJob], Any]) -> BatchJob:
+    return BatchJob([{"x": np.array([[x, 1.0]], np.float32)}], 1, done)
+
+
+async def test_batches_sent_while_the_worker_restarts_wait_for_it(tmp_path: Path) -> None:
+    pool = await _pool(tmp_path)
+    try:
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future[BatchJob] = loop.create_future()
+        second: asyncio.Future[BatchJob] = loop.create_future()
+
+        def killed(job: BatchJob) -> None:
+            # What the batcher does when a batch fails: its slot is free again, and
+            # the next batch is submitted at once, before the replacement is up.
+            first.set_result(job)
+            pool.submit(_job(2.0, second.set_result))
+
+        pool.submit(_job(KILL, killed))
+        failed = await asyncio.wait_for(first, 30)
+        assert "exit code -9" in str(failed.error)
+        assert not pool.healthy
+        served = await asyncio.wait_for(second, 60)
+        assert served.error is None, served.error
+        assert served.outputs is not None
+        assert served.outputs["y"].tolist() == [[4.0, 2.0]]
+        assert served.outputs["y"].flags.writeable  # a postprocess may change it in place
+        assert pool.healthy and pool.restarts == 1
+    finally:
+        await pool.stop()
+
+
+async def test_stop_answers_the_batch_a_worker_is_running(tmp_path: Path) -> None:
+    pool = await _pool(tmp_path)
+    loop = asyncio.get_running_loop()
+    running: asyncio.Future[BatchJob] = loop.create_future()
+    pool.submit(_job(SLOW, running.set_result))
+    await asyncio.sleep(0.1)  # the worker is inside its half-second infer
+    pid = pool.pids[0]
+    await pool.stop()
+    job = await asyncio.wait_for(running, 5)
+    assert job.error is None and job.outputs is not None
+    assert job.outputs["y"].tolist() == [[SLOW * 2, 2.0]]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    late: asyncio.Future[BatchJob] = loop.create_future()
+    pool.submit(_job(1.0, late.set_result))
+    assert "stopping" in str((await asyncio.wait_for(late, 5)).error)

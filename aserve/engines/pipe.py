@@ -37,6 +37,7 @@ class PipeChannel(asyncio.Protocol):
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
         self.closed = False
+        self._lost = asyncio.Event()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but have its methods.
@@ -63,6 +64,7 @@ class PipeChannel(asyncio.Protocol):
                 return
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost.set()
         if not self.closed:
             self.closed = True
             self._on_closed()
@@ -75,6 +77,10 @@ class PipeChannel(asyncio.Protocol):
         size = len(payload)
         header = _SHORT.pack(size) if size <= 0x7FFFFFFF else _SHORT.pack(-1) + _LONG.pack(size)
         transport.writelines((header, payload))
+
+    async def wait_closed(self) -> None:
+        """Until the child's end is closed and everything it wrote has been read."""
+        await self._lost.wait()
 
     def close(self) -> None:
         """Stop reading and close the server's end (``on_closed`` is not called)."""

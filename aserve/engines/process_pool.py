@@ -25,6 +25,9 @@ A child ignores SIGINT/SIGTERM (the server drains first, then stops it) and
 exits when its pipe closes, so it never outlives the server. If it dies, its
 batch in flight fails, ``healthy`` turns False (the model reports not ready)
 and a new child is started with backoff; ``on_health`` hears both changes.
+Batches submitted while no child is free (the batcher counted the dead one's
+slot) wait in the pool for the replacement, as queued requests wait for a
+restarted executor thread; ``stop`` answers whatever is left.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import multiprocessing
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -100,6 +104,7 @@ class ProcessPool:
         self._stopping = False
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._exited: dict[int, _Child] = {}  # dead, their batch not answered yet
+        self._waiting: deque[BatchJob] = deque()  # no child free: one is restarting
         self.restarts = 0
         self.on_health: Callable[[bool], Any] | None = None
 
@@ -139,11 +144,16 @@ class ProcessPool:
         proc.start()
         child_end.close()  # the parent's copy: EOF must reach us when the child exits
         ready: asyncio.Future[None] = loop.create_future()
-        child.channel = await open_channel(
-            parent,
-            lambda payload: self._on_message(child, ready, payload),
-            lambda: self._on_exit(child, ready),
-        )
+        try:
+            child.channel = await open_channel(
+                parent,
+                lambda payload: self._on_message(child, ready, payload),
+                lambda: self._on_exit(child, ready),
+            )
+        except BaseException:
+            parent.close()
+            await asyncio.to_thread(_reap, proc, 5.0)  # it exits when its pipe closes
+            raise
         try:
             await ready
         except BaseException:
@@ -156,14 +166,26 @@ class ProcessPool:
             return
         child.up = True
         self._children[index] = child
+        self._feed(child)
 
     def submit(self, job: BatchJob) -> None:
         """Send a batch to a free child (loop side; ``job.on_done`` is called later, on the loop)."""
-        child = next((c for c in self._children.values() if c.up and c.job is None), None)
-        if child is None:
-            job.error = WorkerError(f"the worker processes of '{self.name}' are restarting")
+        if self._stopping:
+            job.error = WorkerError(f"the worker processes of '{self.name}' are stopping")
             self._finish(job)
             return
+        child = next((c for c in self._children.values() if c.up and c.job is None), None)
+        if child is None:
+            self._waiting.append(job)  # until a child frees up or comes back
+            return
+        self._send(child, job)
+
+    def _feed(self, child: _Child) -> None:
+        """Give a free child the oldest waiting batch, if any."""
+        if self._waiting and child.up and child.job is None and not self._stopping:
+            self._send(child, self._waiting.popleft())
+
+    def _send(self, child: _Child, job: BatchJob) -> None:
         try:
             parts = [pack_arrays(p) for p in job.parts]
             message = msgpack.packb(("batch", parts, job.size))
@@ -181,12 +203,20 @@ class ProcessPool:
             self._finish(job)
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Let each child finish its batch and exit."""
+        """Let each child finish its batch (answered as usual) and exit."""
         self._stopping = True
-        for task in self._restarts.values():
+        restarts = list(self._restarts.values())
+        for task in restarts:
             task.cancel()
+        # A replacement being started reaps what it started before it ends.
+        await asyncio.gather(*restarts, return_exceptions=True)
+        stopped = WorkerError(f"the worker processes of '{self.name}' stopped")
         for child in list(self._exited.values()):
             self._fail_exited(child, f"the worker process {child.index} of '{self.name}' exited")
+        while self._waiting:
+            job = self._waiting.popleft()
+            job.error = stopped
+            self._finish(job)
         children = list(self._children.values())
         self._children.clear()
         for child in children:
@@ -195,8 +225,20 @@ class ProcessPool:
                     child.channel.send(msgpack.packb(("stop",)))
             except OSError:
                 pass
-            self._close(child)  # after what was queued is written
         await asyncio.gather(*(asyncio.to_thread(_reap, c.proc, timeout) for c in children))
+        for child in children:
+            # The channel stays open until the child's end closes, so that the
+            # answer to its last batch, written before it exited, is read.
+            if child.channel is not None:
+                try:
+                    await asyncio.wait_for(child.channel.wait_closed(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+            self._close(child)
+            job, child.job = child.job, None
+            if job is not None:
+                job.error = stopped
+                self._deliver(job)
 
     # --- answers, on the loop ------------------------------------------------------
 
@@ -219,12 +261,24 @@ class ProcessPool:
         if job is None:
             log.error("worker process of '%s' answered with no batch in flight", self.name)
             return
-        if msg[0] == "ok":
-            job.outputs = unpack_arrays(msg[1])
-            job.input_ns, job.infer_ns = msg[2], msg[3]
-        else:
-            job.error = WorkerError(msg[1])
-        job.on_done(job)
+        try:
+            if msg[0] == "ok":
+                # Writable copies: a postprocess may change its outputs in place, as
+                # it can with threads.
+                job.outputs = unpack_arrays(msg[1], writable=True)
+                job.input_ns, job.infer_ns = msg[2], msg[3]
+            else:
+                job.error = WorkerError(msg[1])
+        except Exception as exc:  # a malformed answer fails its batch, not the child
+            job.outputs, job.error = None, WorkerError(f"unreadable answer: {exc!r}")
+        self._feed(child)  # a batch that waited goes first, before on_done submits more
+        self._deliver(job)
+
+    def _deliver(self, job: BatchJob) -> None:
+        try:
+            job.on_done(job)
+        except Exception:  # never into the transport: it would close a healthy child's pipe
+            log.exception("answering a batch of '%s' failed", self.name)
 
     def _finish(self, job: BatchJob) -> None:
         assert self._loop is not None
@@ -251,7 +305,7 @@ class ProcessPool:
         job, child.job = child.job, None
         if job is not None:
             job.error = WorkerError(reason)
-            job.on_done(job)
+            self._deliver(job)
 
     def _exit_reason(self, child: _Child) -> str:
         code = child.proc.exitcode

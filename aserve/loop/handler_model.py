@@ -81,22 +81,27 @@ class HandlerRuntime(ModelRuntime):
         inputs = await self._in_threads(example, "warmup_request")
         batch = _batch_size(inputs, "warmup_request", self.label)
         for measure in (False, True):
-            for _ in range(self.config.instances):
-                request = HandlerRequest(inputs, batch, {}, None)
-                arrays = await self._in_threads(
-                    self._engine.handler.preprocess, "preprocess", request
-                )
-                size, _ = self._batch_of(arrays)
-                job = await self._run_direct(arrays, size)
-                if job.error is not None:
-                    raise RuntimeError(f"warm-up: infer failed: {job.error}")
-                if measure:
-                    self.batcher.latency.observe(size, job.tag[2])
-                assert job.outputs is not None
-                response = await self._in_threads(
-                    self._engine.handler.postprocess, "postprocess", job.outputs, request
-                )
-                self._response(response, batch)
+            # One request per instance at once, so that each instance (thread or worker
+            # process) runs one: a lone one would always go to the first.
+            await asyncio.gather(
+                *(self._warm_one(inputs, batch, measure) for _ in range(self.config.instances))
+            )
+
+    async def _warm_one(self, inputs: dict[str, Any], batch: int, measure: bool) -> None:
+        assert self._engine is not None and self.batcher is not None
+        request = HandlerRequest(inputs, batch, {}, None)
+        arrays = await self._in_threads(self._engine.handler.preprocess, "preprocess", request)
+        size, _ = self._batch_of(arrays)
+        job = await self._run_direct(arrays, size)
+        if job.error is not None:
+            raise RuntimeError(f"warm-up: infer failed: {job.error}")
+        if measure:
+            self.batcher.latency.observe(size, job.tag[2])
+        assert job.outputs is not None
+        response = await self._in_threads(
+            self._engine.handler.postprocess, "postprocess", job.outputs, request
+        )
+        self._response(response, batch)
 
     async def infer(
         self,

@@ -157,8 +157,12 @@ class Batcher:
                 start, self._queued_items + ahead_items, items, self._pool.instances,
                 first_free, self.limits, high, deadline,
             )  # fmt: skip
-            # What recent misses say the prediction is short by (1.0 unless overloaded).
-            finish = now + (finish - now) * self.margin.factor
+            # What recent misses say the prediction is short by (1.0 unless overloaded),
+            # for a request that would wait: one that runs at once is admitted on the
+            # prediction alone, so that a server whose load fell serves, and so
+            # lowers the margin, instead of refusing everything on an old factor.
+            if self._free <= 0 or self._queued_items + ahead_items > 0:
+                finish = now + (finish - now) * self.margin.factor
             if finish > deadline:
                 self._stats.rejected["deadline_unmeetable"] += 1
                 raise Unavailable(
@@ -311,7 +315,8 @@ class Batcher:
         if running.timer is not None:
             running.timer.cancel()
         self._free += 1
-        self.latency.observe(running.size, now - running.started)
+        if job.error is None:  # a failure's time (an instant refusal, say) says nothing
+            self.latency.observe(running.size, now - running.started)
         t0 = time.perf_counter_ns()
         outputs, requests, stats = job.outputs, running.requests, self._stats
         if outputs is None:

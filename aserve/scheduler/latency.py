@@ -38,9 +38,10 @@ class LatencyModel:
     def observe(self, size: int, seconds: float) -> None:
         size = min(max(size, 1), self._max)
         old = self._measured.get(size)
-        expected = self.estimate(size)
-        if expected > 0.0:
-            off = min(abs(seconds / expected - 1.0), 1.0)  # one stall counts as 100%, no more
+        if old is not None:
+            # Against this size's own estimate only: a first run of a size compared
+            # with one interpolated from its neighbours would count the curve as jitter.
+            off = min(abs(seconds / old - 1.0), 1.0)  # one stall counts as 100%, no more
             self.spread += 0.1 * (off - self.spread)
         if old is None:
             self._measured[size] = seconds
