@@ -231,3 +231,71 @@ async def test_a_request_that_would_run_at_once_is_admitted_whatever_the_margin(
         await asyncio.wait_for(ahead.future, 5)
     finally:
         await pool.stop()
+
+
+class _Gated(_Copy):
+    """Returns its input once ``gate`` opens; records the batch sizes it ran."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.gate = threading.Event()
+        self.sizes: list[int] = []
+
+    def run(self, inputs, instance):
+        self.gate.wait(10)
+        self.sizes.append(len(inputs["X"]))
+        return {"Y": inputs["X"]}
+
+
+@pytest.mark.parametrize(
+    ("head_ms", "shed"),
+    [(150, True), (250, False)],  # room for a batch of 1 (of 8 waiting), or of 2
+)
+async def test_the_head_is_given_up_only_for_a_batch_under_a_quarter_of_the_queue(head_ms, shed):
+    import asyncio
+    import time
+
+    import numpy as np
+
+    from aserve.config import BatchingConfig
+    from aserve.engines.executor import ExecutorPool
+    from aserve.errors import DeadlineExceeded
+    from aserve.loop.request import InferenceRequest
+    from aserve.scheduler.batcher import Batcher
+    from aserve.stats import ModelStats
+
+    engine = _Gated()
+    pool = ExecutorPool(engine, 1, "m")  # type: ignore[arg-type]
+    await pool.start()
+    loop = asyncio.get_running_loop()
+
+    def request(deadline_in: float) -> InferenceRequest:
+        now = time.monotonic()
+        return InferenceRequest({"X": np.zeros((1, 1), np.float32)}, 1, (), now,
+                                now + deadline_in, loop.create_future(), None, None)  # fmt: skip
+
+    try:
+        config = BatchingConfig(max_batch_size=8, max_delay_ms=0)
+        batcher = Batcher("m/1", config, pool, ModelStats("m", "1"))
+        busy = request(10.0)
+        batcher.submit(busy)  # takes the only instance, held at the gate
+        await asyncio.sleep(0.05)
+        head = request(head_ms / 1000)
+        rest = [request(10.0) for _ in range(7)]
+        for r in (head, *rest):
+            batcher.submit(r)
+        for size in range(1, 9):  # 100 ms per item, learned only now: all were admitted
+            batcher.latency.observe(size, 0.1 * size)
+        engine.gate.set()
+        await asyncio.wait_for(asyncio.gather(busy.future, *(r.future for r in rest)), 10)
+        if shed:
+            with pytest.raises(DeadlineExceeded, match="enough only for a batch of 1 while 8"):
+                head.future.result()
+            assert engine.sizes == [1, 7]
+        else:
+            head.future.result()
+            assert engine.sizes[:2] == [1, 2]  # the head, in the batch its time allows
+    finally:
+        engine.gate.set()
+        await pool.stop()
