@@ -51,6 +51,18 @@ class ServerProcess:
     def base(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def spawned_children(self) -> list[Any]:
+        """The server's step and worker processes (multiprocessing's spawned children),
+        as psutil processes."""
+        import psutil
+
+        return [
+            p
+            for p in psutil.Process(self.proc.pid).children()
+            if "multiprocessing" in " ".join(p.cmdline())
+            and "resource_tracker" not in " ".join(p.cmdline())
+        ]
+
     def log_text(self) -> str:
         return "".join(self.log)
 

@@ -61,16 +61,6 @@ def procs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     srv.stop()
 
 
-def workers(srv: ServerProcess) -> list[psutil.Process]:
-    """The server's worker processes (multiprocessing's spawned children)."""
-    return [
-        p
-        for p in psutil.Process(srv.proc.pid).children()
-        if "multiprocessing" in " ".join(p.cmdline())
-        and "resource_tracker" not in " ".join(p.cmdline())
-    ]
-
-
 def affine_body(rows: np.ndarray) -> dict[str, Any]:
     return {"inputs": [{"name": "INPUT0", "shape": list(rows.shape), "datatype": "FP32",
                         "data": rows.reshape(-1).tolist()}]}  # fmt: skip
@@ -124,7 +114,7 @@ async def test_process_and_thread_instances_answer_alike(
     assert stats["execution_count"] < stats["inference_count"]
     # Two affine workers and the probe's: counted in the dashboard's process figures.
     assert dashboard["process"]["child_processes"] == 3
-    assert len(workers(procs)) == 3
+    assert len(procs.spawned_children()) == 3
 
 
 async def test_handler_infer_runs_in_a_worker_and_the_rest_in_the_server(
@@ -137,7 +127,7 @@ async def test_handler_infer_runs_in_a_worker_and_the_rest_in_the_server(
     assert out["Y"] == [3.0, 2.0]
     pid = out["PID"][0]
     assert pid != procs.proc.pid
-    assert pid in [p.pid for p in workers(procs)]
+    assert pid in [p.pid for p in procs.spawned_children()]
 
 
 async def test_a_worker_that_dies_is_replaced(procs: ServerProcess) -> None:
@@ -186,7 +176,7 @@ async def test_a_worker_that_dies_is_replaced(procs: ServerProcess) -> None:
         status, _ = await post(session, f"{base}/v2/models/affine_proc/infer", affine_body(rows))
         assert status == 200
     wait_log(procs, "worker process 0 of 'probe' is back (restart 3)")
-    assert len(workers(procs)) == 3
+    assert len(procs.spawned_children()) == 3
     assert procs.proc.poll() is None
 
 

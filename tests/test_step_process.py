@@ -16,7 +16,6 @@ from typing import Any
 import aiohttp
 import grpc
 import orjson
-import psutil
 import pytest
 from conftest import ServerProcess, start_server, write_config
 from gen_helpers import GENERATION, gen_stats, idle, wait_gen
@@ -44,16 +43,6 @@ def two_ways(
     srv.stop()
 
 
-def step_children(srv: ServerProcess) -> list[psutil.Process]:
-    """The server's step processes (multiprocessing's spawned children)."""
-    return [
-        p
-        for p in psutil.Process(srv.proc.pid).children()
-        if "multiprocessing" in " ".join(p.cmdline())
-        and "resource_tracker" not in " ".join(p.cmdline())
-    ]
-
-
 async def health_changes(target: str, service: str) -> list[int]:
     """Statuses a Health.Watch of ``service`` reports, until it is back to SERVING."""
     seen: list[int] = []
@@ -74,7 +63,7 @@ async def complete(session: aiohttp.ClientSession, base: str, model: str, prompt
 
 
 async def test_process_and_thread_give_the_same_tokens(two_ways: ServerProcess) -> None:
-    assert len(step_children(two_ways)) == 1  # only "proc" has a child
+    assert len(two_ways.spawned_children()) == 1  # only "proc" has a child
     prompts = ["Hello", "The quick brown fox", "server streams tokens"]
     async with aiohttp.ClientSession() as session:
         for prompt in prompts:
@@ -89,7 +78,7 @@ async def test_killed_step_process_fails_its_streams_and_comes_back(
     base = two_ways.base
     async with aiohttp.ClientSession() as session:
         want = await complete(session, base, "proc", "Hello")
-        (child,) = step_children(two_ways)
+        (child,) = two_ways.spawned_children()
         watch = asyncio.create_task(health_changes(two_ways.grpc_url, "proc"))
         await asyncio.sleep(0.5)  # the watch has its first answer (SERVING)
         body = {"model": "proc", "prompt": "Hi", "max_tokens": 120, "stream": True}
@@ -112,7 +101,7 @@ async def test_killed_step_process_fails_its_streams_and_comes_back(
             await asyncio.sleep(0.1)
         # gRPC health watchers heard it go down and come back.
         assert await asyncio.wait_for(watch, 30) == [SERVING, NOT_SERVING, SERVING]
-        (new_child,) = step_children(two_ways)
+        (new_child,) = two_ways.spawned_children()
         assert new_child.pid != child.pid
         assert await complete(session, base, "proc", "Hello") == want
         after = await wait_gen(session, base, "proc", idle)

@@ -36,8 +36,6 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing
-import os
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -47,17 +45,15 @@ from typing import Any
 
 import msgpack
 
-from aserve import logs
-from aserve.config import GpuConfig, ModelConfig
+from aserve.config import ModelConfig
+from aserve.engines import child_process
 from aserve.engines.base import Engine
 from aserve.engines.executor import BatchJob
-from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit
+from aserve.engines.gpu_memory import CacheReleaser
 from aserve.engines.pipe import PipeChannel, open_channel
 from aserve.engines.wire import pack_arrays, unpack_arrays
 
 log = logging.getLogger("aserve.executor")
-
-_RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,18 +127,10 @@ class ProcessPool:
     async def _spawn(self, index: int) -> None:
         loop = self._loop
         assert loop is not None
-        # spawn, not fork: the server has threads (gRPC, torch) a fork would copy half of.
-        ctx = multiprocessing.get_context("spawn")
-        parent, child_end = ctx.Pipe(duplex=True)
-        proc = ctx.Process(
-            target=worker_main,
-            args=(child_end, self.spec, index),
-            name=f"aserve-{self.name}-{index}",
-            daemon=True,
+        proc, parent = child_process.start(
+            worker_main, (self.spec, index), f"aserve-{self.name}-{index}"
         )
         child = _Child(index, proc)
-        proc.start()
-        child_end.close()  # the parent's copy: EOF must reach us when the child exits
         ready: asyncio.Future[None] = loop.create_future()
         try:
             child.channel = await open_channel(
@@ -152,17 +140,17 @@ class ProcessPool:
             )
         except BaseException:
             parent.close()
-            await asyncio.to_thread(_reap, proc, 5.0)  # it exits when its pipe closes
+            await asyncio.to_thread(child_process.reap, proc, 5.0)  # it exits on EOF
             raise
         try:
             await ready
         except BaseException:
             self._close(child)
-            await asyncio.to_thread(_reap, proc, 5.0)
+            await asyncio.to_thread(child_process.reap, proc, 5.0)
             raise
         if self._stopping:
             self._close(child)
-            await asyncio.to_thread(_reap, proc, 5.0)
+            await asyncio.to_thread(child_process.reap, proc, 5.0)
             return
         child.up = True
         self._children[index] = child
@@ -225,7 +213,9 @@ class ProcessPool:
                     child.channel.send(msgpack.packb(("stop",)))
             except OSError:
                 pass
-        await asyncio.gather(*(asyncio.to_thread(_reap, c.proc, timeout) for c in children))
+        await asyncio.gather(
+            *(asyncio.to_thread(child_process.reap, c.proc, timeout) for c in children)
+        )
         for child in children:
             # The channel stays open until the child's end closes, so that the
             # answer to its last batch, written before it exited, is read.
@@ -323,7 +313,7 @@ class ProcessPool:
     async def _restart(self, old: _Child) -> None:
         index = old.index
         # Reaped first, so that the error of its batch in flight can say how it ended.
-        await asyncio.to_thread(_reap, old.proc, 5.0)
+        await asyncio.to_thread(child_process.reap, old.proc, 5.0)
         reason = self._exit_reason(old)
         log.error("%s; restarting it", reason)
         self._fail_exited(old, reason)
@@ -333,9 +323,8 @@ class ProcessPool:
             try:
                 await self._spawn(index)
             except Exception as exc:
-                delay = _RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)]
                 log.error("restarting worker process %d of '%s' failed: %s", index, self.name, exc)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(child_process.restart_delay(attempt))
                 continue
             if self._stopping:
                 return
@@ -353,34 +342,14 @@ class ProcessPool:
             self.on_health(self.healthy)
 
 
-def _reap(proc: multiprocessing.process.BaseProcess, timeout: float) -> None:
-    proc.join(timeout)
-    if proc.is_alive():
-        log.warning("worker process %s did not stop within %.1fs; killing it", proc.name, timeout)
-        proc.kill()
-        proc.join(5.0)
-
-
 # --- the child ---------------------------------------------------------------------------
 
 
 def worker_main(conn: Connection, spec: WorkerSpec, index: int) -> None:
     """The child's whole life: load, then run batches until told to stop or the pipe closes."""
-    # The server decides when this process ends (stop message, or its pipe closing).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logs.configure("WARNING", os.environ.get(logs.FORMAT_ENV, "text"))
-    releaser = None
     try:
+        releaser = child_process.settle_child(spec.config.device, spec.gpu)
         engine = worker_engine(spec)
-        if engine.config.device.startswith("cuda"):
-            import torch
-
-            # The memory cap is per process: apply the server's here too.
-            gpu = GpuConfig(**spec.gpu)
-            apply_memory_limit(torch.cuda, gpu, [int(engine.config.device.partition(":")[2] or 0)])
-            if gpu.empty_cache_interval_s is not None:
-                releaser = CacheReleaser(torch.cuda, gpu.empty_cache_interval_s)
         engine.load_worker()
         instance = engine.create_instance(index)
     except Exception as exc:

@@ -33,8 +33,6 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing
-import os
-import signal
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -42,16 +40,14 @@ from typing import Any
 
 import msgpack
 
-from aserve import logs
-from aserve.config import GenerationConfig, GpuConfig
+from aserve.config import GenerationConfig
+from aserve.engines import child_process
 from aserve.engines.decoder import DecoderEngine, SamplingParams, Sequence, StepOutput
-from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit
+from aserve.engines.gpu_memory import CacheReleaser
 from aserve.engines.pipe import PipeChannel, open_channel
 from aserve.engines.step_executor import StepJob
 
 log = logging.getLogger("aserve.executor")
-
-_RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,25 +104,15 @@ class ProcessStepExecutor:
     async def _spawn(self) -> None:
         loop = self._loop
         assert loop is not None
-        # spawn, not fork: the server has threads (gRPC, torch) a fork would copy half of.
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(
-            target=worker_main,
-            args=(child, self.args),
-            name=f"aserve-{self.name}-steps",
-            daemon=True,
-        )
         self._starting = starting = loop.create_future()
+        proc, parent = child_process.start(worker_main, (self.args,), f"aserve-{self.name}-steps")
         self._proc = proc
-        proc.start()
-        child.close()  # the parent's copy: EOF must reach us when the child exits
         self._channel = await open_channel(parent, self._on_message, self._on_exit)
         try:
             await starting
         except BaseException:
             self._drop_child()
-            await asyncio.to_thread(_reap, proc, 5.0)
+            await asyncio.to_thread(child_process.reap, proc, 5.0)
             raise
         finally:
             self._starting = None
@@ -177,7 +163,7 @@ class ProcessStepExecutor:
                 pass
         self._drop_child()  # closes the channel once what was queued is written
         if proc is not None:
-            await asyncio.to_thread(_reap, proc, timeout)
+            await asyncio.to_thread(child_process.reap, proc, timeout)
 
     # --- answers, on the loop ------------------------------------------------------
 
@@ -253,25 +239,16 @@ class ProcessStepExecutor:
                 return
             old = self._proc
             if old is not None:
-                await asyncio.to_thread(_reap, old, 5.0)
+                await asyncio.to_thread(child_process.reap, old, 5.0)
             try:
                 await self._spawn()
             except Exception as exc:
-                delay = _RESTART_BACKOFF_S[min(attempt, len(_RESTART_BACKOFF_S) - 1)]
                 log.error("restarting the step process of '%s' failed: %s", self.name, exc)
-                await asyncio.sleep(delay)
+                await asyncio.sleep(child_process.restart_delay(attempt))
                 continue
             self.restarts += 1
             log.warning("step process of '%s' is back (restart %d)", self.name, self.restarts)
             return
-
-
-def _reap(proc: multiprocessing.process.BaseProcess, timeout: float) -> None:
-    proc.join(timeout)
-    if proc.is_alive():
-        log.warning("step process %s did not stop within %.1fs; killing it", proc.name, timeout)
-        proc.kill()
-        proc.join(5.0)
 
 
 # --- the child ---------------------------------------------------------------------------
@@ -279,28 +256,18 @@ def _reap(proc: multiprocessing.process.BaseProcess, timeout: float) -> None:
 
 def worker_main(conn: Connection, args: WorkerArgs) -> None:
     """The child's whole life: load, then run steps until told to stop or the pipe closes."""
-    # The server decides when this process ends (stop message, or its pipe closing).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logs.configure("WARNING", os.environ.get(logs.FORMAT_ENV, "text"))
-    import torch
-
-    torch.set_num_interop_threads(1)
-    engine = DecoderEngine(
-        args.model_path,
-        GenerationConfig(**args.generation),
-        args.device,
-        args.dtype,
-        args.cpu_threads,
-    )
-    releaser = None
     try:
-        if engine.device.type == "cuda":
-            # The memory cap is per process: apply the server's here too.
-            gpu = GpuConfig(**args.gpu)
-            apply_memory_limit(torch.cuda, gpu, [engine.device.index or 0])
-            if gpu.empty_cache_interval_s is not None:
-                releaser = CacheReleaser(torch.cuda, gpu.empty_cache_interval_s)
+        releaser = child_process.settle_child(args.device, args.gpu)
+        import torch
+
+        torch.set_num_interop_threads(1)
+        engine = DecoderEngine(
+            args.model_path,
+            GenerationConfig(**args.generation),
+            args.device,
+            args.dtype,
+            args.cpu_threads,
+        )
         engine.load()
         engine.create_instance(0)
     except Exception as exc:
