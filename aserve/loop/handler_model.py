@@ -54,7 +54,7 @@ class HandlerRuntime(ModelRuntime):
         # yet), their items, and the measured time one preprocess takes.
         self._preprocessing = 0
         self._preprocessing_items = 0
-        self._preprocess_s = 0.0
+        self._preprocess_time = _Spread()
         # Batch answered -> postprocess done (thread wait included): the time a batch
         # must leave, as a high estimate (mean + 2 deviations), since a request whose
         # postprocess runs long is as late as one whose batch did.
@@ -161,7 +161,7 @@ class HandlerRuntime(ModelRuntime):
         deadline passes while it waits for a thread is dropped from that queue.
         """
         assert self.batcher is not None and self._engine is not None
-        backlog_s = (self._preprocessing // self._workers + 1) * self._preprocess_s
+        backlog_s = (self._preprocessing // self._workers + 1) * self._preprocess_time.mean
         self.batcher.check_admission(
             now,
             deadline - self._tail.high,  # the batch must leave postprocessing its time
@@ -191,8 +191,9 @@ class HandlerRuntime(ModelRuntime):
         t0 = time.perf_counter()
         result = self._engine.handler.preprocess(request)
         took = time.perf_counter() - t0
-        # A float store is atomic under the GIL; the loop only reads it.
-        self._preprocess_s = _moving_average(self._preprocess_s, took)
+        # Handler threads may add at once: an estimate off by one sample is harmless,
+        # and each float store is atomic under the GIL; the loop only reads it.
+        self._preprocess_time.add(took)
         return result
 
     async def _in_threads(self, fn: Callable[..., Any], stage: str, *args: Any) -> Any:
@@ -302,13 +303,9 @@ def _as_output(label: str, spec: TensorSpec, value: Any, batch_size: int) -> np.
     return arr
 
 
-def _moving_average(old: float, sample: float) -> float:
-    """The stage timings' estimate: the first sample, then 20% of each new one."""
-    return sample if old == 0.0 else old + 0.2 * (sample - old)
-
-
 class _Spread:
-    """A moving mean and mean deviation of a timing (20% per sample)."""
+    """A stage's timing: a moving mean and mean deviation (the first sample, then
+    20% of each new one)."""
 
     __slots__ = ("dev", "mean")
 
