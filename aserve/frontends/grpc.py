@@ -380,6 +380,7 @@ class GrpcFrontend:
         self._idle.set()
         self.addresses: list[tuple[str, int]] = []
         self._watcher: asyncio.Task[None] | None = None
+        self._reported_readiness: tuple[tuple[str, bool], ...] = ()
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -412,7 +413,7 @@ class GrpcFrontend:
         reflection.enable_server_reflection(
             (*REFLECTED_SERVICES, GENERATION_SERVICE), server, pool=reflection_pool()
         )
-        await self.health.update(False, self._server.registry)
+        await self._report_health(False)
         host = self._config.host
         address = f"[{host}]:{self._config.port}" if ":" in host else f"{host}:{self._config.port}"
         try:
@@ -431,19 +432,26 @@ class GrpcFrontend:
 
     async def update_health(self) -> None:
         """Report readiness again (the server's or a model's changed)."""
-        await self.health.update(self._server.not_ready_reason() is None, self._server.registry)
+        await self._report_health(self._server.not_ready_reason() is None)
+
+    def _readiness(self) -> tuple[tuple[str, bool], ...]:
+        return tuple((rt.label, rt.ready) for rt in self._server.registry)
+
+    async def _report_health(self, server_ready: bool) -> None:
+        # What was reported, taken before the report: a change while it is being
+        # written makes the next poll report again.
+        self._reported_readiness = self._readiness()
+        await self.health.update(server_ready, self._server.registry)
 
     async def _watch_readiness(self) -> None:
         """A model also turns not ready, and back, with no event here (an
         executor thread or step process being restarted): look a few times a
-        second and report what changed, so health watchers hear of it."""
-        last = None
+        second and report what differs from the last report, so health
+        watchers hear of it (a change before the first look included)."""
         while True:
             await asyncio.sleep(_READINESS_POLL_S)
-            now = tuple((rt.label, rt.ready) for rt in self._server.registry)
-            if last is not None and now != last:
+            if self._readiness() != self._reported_readiness:
                 await self.update_health()
-            last = now
 
     async def stop(self) -> None:
         """Drain: health turns NOT_SERVING, new calls are refused, in-flight

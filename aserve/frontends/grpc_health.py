@@ -14,6 +14,7 @@ the health protocol says.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from google.protobuf.descriptor_pool import DescriptorPool
@@ -38,9 +39,17 @@ class Health:
     def __init__(self) -> None:
         self.servicer = health.aio.HealthServicer()
         self._reported: set[str] = set()  # model names and name/version reported so far
+        # Each set() may wait for a watcher's write, so two updates can overlap; without
+        # the lock an older one (the server not ready yet) could finish last and leave
+        # NOT_SERVING behind for good. asyncio.Lock is FIFO: the newest report wins.
+        self._lock = asyncio.Lock()
 
     async def update(self, server_ready: bool, registry: ModelRegistry) -> None:
         """Report the server's and every model version's readiness."""
+        async with self._lock:
+            await self._update(server_ready, registry)
+
+    async def _update(self, server_ready: bool, registry: ModelRegistry) -> None:
         overall = SERVING if server_ready else NOT_SERVING
         await self.servicer.set(health.OVERALL_HEALTH, overall)
         await self.servicer.set(INFERENCE_SERVICE, overall)
