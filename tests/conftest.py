@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import build_all
 
 START_TIMEOUT_S = 60
+HANDLERS = Path(__file__).parent / "handlers"  # handler modules tests copy beside a config
 
 
 @dataclass
@@ -65,6 +67,15 @@ class ServerProcess:
 
     def log_text(self) -> str:
         return "".join(self.log)
+
+    def worker_pid(self, model: str, index: int = 0) -> int:
+        """The pid of worker ``index`` of a model served with ``"executor": "process"``,
+        from the newest line the pool logged when that worker came up."""
+        want = f"worker process {index} of '{model}' is up (pid "
+        for line in reversed(self.log):
+            if want in line:
+                return int(line.split(want, 1)[1].split(")", 1)[0])
+        raise AssertionError(f"no worker {index} of {model!r} in the log")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc.poll() is None:
@@ -183,14 +194,18 @@ def standard_models() -> list[dict[str, Any]]:
             "mixed", "mixed.pt", [spec(f"IN_{n}", t, [3]) for n, t in mixed_io],
             [spec(f"OUT_{n}", t, [3]) for n, t in mixed_io],
         ),
+        # In a worker process, so that tests can hold its batches running (helpers.frozen).
         model_entry(
             "spin", "spin.pt", [spec("X", "FP32", [-1])], [spec("Y", "FP32", [1])],
             batching={"max_batch_size": 4, "max_queue_size": 2, "max_delay_ms": 0},
+            executor="process",
         ),
-        model_entry(
-            "sleepy", "sleepy.pt", [spec("X", "FP32", [2])], [spec("Y", "FP32", [1])],
-            batching={"max_batch_size": 2},
-        ),
+        {
+            "name": "sleepy", "engine": "python", "handler": "sleeper:Sleeper",
+            "parameters": {"sleep_ms": 1000},
+            "inputs": [spec("X", "FP32", [2])], "outputs": [spec("Y", "FP32", [1])],
+            "batching": {"max_batch_size": 2},
+        },
         model_entry("fussy", "fussy.pt", [spec("X", "FP32", [2])], [spec("Y", "FP32", [2])]),
     ]  # fmt: skip
 
@@ -203,6 +218,7 @@ def server(model_dir: Path) -> Iterator[ServerProcess]:
         "grpc": {"port": 0},
         "models": standard_models(),
     }
+    shutil.copy(HANDLERS / "sleeper.py", model_dir / "sleeper.py")
     srv = start_server(write_config(model_dir, config))
     yield srv
     srv.stop()

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import numpy as np
 import orjson
+import psutil
 import tritonclient.grpc as grpcclient
 
 
@@ -82,3 +87,24 @@ def grpc_input(name: str, arr: np.ndarray) -> grpcclient.InferInput:
     inp = grpcclient.InferInput(name, list(arr.shape), grpcclient.np_to_triton_dtype(arr.dtype))
     inp.set_data_from_numpy(arr)
     return inp
+
+
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """Hold a worker process stopped (SIGSTOP) until the block ends, then let it go on.
+
+    A batch the server hands to a frozen worker stays running for exactly as
+    long as the test wants, on a machine of any speed: the test, not a spin
+    count, decides when the model is busy and when it is done.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        # The stop takes effect asynchronously: wait until the kernel says so.
+        proc = psutil.Process(pid)
+        deadline = time.monotonic() + 10
+        while proc.status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, f"worker {pid} did not stop"
+            time.sleep(0.005)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -69,19 +69,17 @@ class Mixed(torch.nn.Module):
 
 
 class Spin(torch.nn.Module):
-    """A deliberately slow model: ``iters`` tanh(matmul) steps, or one per input
-    column when ``iters`` is 0, so a request's size sets its run time."""
+    """A slow model: one tanh(matmul) step per input column, so a request's
+    width sets its run time."""
 
-    def __init__(self, iters: int = 0) -> None:
+    def __init__(self) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(1)
         self.w = torch.nn.Parameter(torch.randn(128, 128, generator=gen) / 12, requires_grad=False)
-        self.iters = iters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.iters if self.iters > 0 else int(x.shape[1])
         y = torch.ones(1, 128)
-        for _ in range(n):
+        for _ in range(int(x.shape[1])):
             y = torch.tanh(y @ self.w)
         return x.sum(dim=1, keepdim=True) + y.sum() * 0
 
@@ -103,7 +101,6 @@ def build_all(folder: Path) -> dict[str, torch.nn.Module]:
     _script_save(affine, folder / "affine.pt")
     _script_save(mixed, folder / "mixed.pt")
     _script_save(Spin(), folder / "spin.pt")
-    _script_save(Spin(iters=30000), folder / "sleepy.pt")
     _script_save(Fussy(), folder / "fussy.pt")
     batch = Dim("batch", min=1, max=64)
     example = (torch.randn(2, 8), torch.randn(2, 8))

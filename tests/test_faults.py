@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,7 +45,8 @@ async def infer(session: aiohttp.ClientSession, base: str, a: float) -> tuple[in
 
 
 async def wait_ready(session: aiohttp.ClientSession, base: str) -> None:
-    for _ in range(500):
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
         async with session.get(f"{base}/v2/models/killer/ready") as r:
             if r.status == 200:
                 return
@@ -66,7 +68,8 @@ async def test_a_dead_executor_thread_is_restarted(killer: ServerProcess) -> Non
                 killer,
                 "executor thread 0 of 'killer' died (SystemExit('killed on purpose')); restarting it",
             )
-        for _ in range(500):  # the log arrives through a pipe
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the log arrives through a pipe
             if killer.log_text().count("executor thread 0 of 'killer' is back") == 2:
                 break
             await asyncio.sleep(0.02)
@@ -133,7 +136,14 @@ async def test_pool_reports_unhealthy_until_the_thread_is_back() -> None:
     engine = _Engine()
     pool = ExecutorPool(engine, 1, "stand-in")  # type: ignore[arg-type]
     health: list[bool] = []
-    pool.on_health = health.append
+    went_down = asyncio.Event()
+
+    def heard(healthy: bool) -> None:
+        health.append(healthy)
+        if not healthy:
+            went_down.set()
+
+    pool.on_health = heard
     await pool.start()
     try:
         assert pool.healthy
@@ -141,10 +151,7 @@ async def test_pool_reports_unhealthy_until_the_thread_is_back() -> None:
         assert isinstance(failed.error, ValueError) and pool.healthy and pool.restarts == 0
         killed = await _run(pool, MAGIC)
         assert isinstance(killed.error, SystemExit) and killed.outputs is None
-        for _ in range(200):
-            if not pool.healthy:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(went_down.wait(), 30)
         assert not pool.healthy and health == [False] and pool.restarts == 1
         queued = asyncio.ensure_future(_run(pool, 4.0))  # waits for the replacement
         await asyncio.sleep(0.05)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -21,13 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-from helpers import grpc_input, sync_stats, sync_wait_for_stats
+from helpers import frozen, grpc_input, sync_stats, sync_wait_for_stats
 from tritonclient.utils import InferenceServerException
 
 from aserve.errors import ErrorCode
 from aserve.frontends import http, status
 
-SPIN_LONG = 300_000  # columns: about 2 s of the spin model, 1.2 MB raw
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -35,15 +36,16 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 def _spin(name: str, **batching) -> dict:
     batching = {"max_batch_size": 4, "max_delay_ms": 0, "timeout_ms": 60000, **batching}
     return model_entry(
-        name, "spin.pt", [spec("X", "FP32", [-1])], [spec("Y", "FP32", [1])], batching=batching
-    )
+        name, "spin.pt", [spec("X", "FP32", [-1])], [spec("Y", "FP32", [1])], batching=batching,
+        executor="process",  # so that a test can hold a batch running (helpers.frozen)
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def spin_server(model_dir):
-    """A server of its own for the tests that occupy spin with a long request.
+    """A server of its own for the tests that hold spin busy with a frozen batch.
 
-    A long request teaches a model's batcher that a batch takes seconds, after
+    A held batch teaches a model's batcher that a batch takes long, after
     which admission refuses short deadlines at once (UNAVAILABLE); the session
     server's spin must keep its warm-up estimates for the HTTP tests. The two
     tests that need a deadline to expire in the queue get a fresh copy each;
@@ -86,21 +88,24 @@ def _idle(s: dict) -> bool:
     return s["pending_request_count"] == 0 and s["running_batch_count"] == 0
 
 
-def _start_long_spin(server, client, model: str = "spin") -> queue.Queue:
-    """Occupy the model's only instance with a long request; its answer lands in the queue."""
+@contextlib.contextmanager
+def _held(server, client, model: str = "spin") -> Iterator[queue.Queue]:
+    """Occupy the model's only instance: one request runs on its frozen worker until
+    the block ends. Yields the queue its answer lands in, after the block."""
     _wait_stats(server, model, _idle)
     done: queue.Queue = queue.Queue()
-    client.async_infer(
-        model, _x(SPIN_LONG, 0.5), callback=lambda result, error: done.put((result, error))
-    )
-    _wait_stats(server, model, lambda s: s["running_batch_count"] == 1)
-    return done
+    with frozen(server.worker_pid(model)):
+        client.async_infer(
+            model, _x(2, 0.25), callback=lambda result, error: done.put((result, error))
+        )
+        _wait_stats(server, model, lambda s: s["running_batch_count"] == 1)
+        yield done
 
 
-def _long_spin_answer(done: queue.Queue) -> None:
+def _held_answer(done: queue.Queue) -> None:
     result, error = done.get(timeout=30)
     assert error is None, error
-    assert result.as_numpy("Y")[0, 0] == pytest.approx(0.5 * SPIN_LONG)
+    assert result.as_numpy("Y")[0, 0] == pytest.approx(0.5)
 
 
 def _status(exc: pytest.ExceptionInfo) -> str:
@@ -111,67 +116,65 @@ def _status(exc: pytest.ExceptionInfo) -> str:
 
 
 def test_the_grpc_deadline_becomes_the_request_deadline(grpc_client):
-    # sleepy takes about 200 ms per batch (measured at warm-up; less on a fast
-    # machine). With 30 ms left, admission refuses at once; had the deadline
-    # not been passed on, the model's 5 s default would have let it run.
+    # sleepy sleeps 1 s per batch (measured at warm-up; more on a busy machine).
+    # With 300 ms left, admission refuses at once; had the deadline not been
+    # passed on, the model's 5 s default would have let it run.
     with pytest.raises(InferenceServerException) as exc:
-        grpc_client.infer("sleepy", _x(2), client_timeout=0.03)
+        grpc_client.infer("sleepy", _x(2), client_timeout=0.3)
     assert _status(exc) == "StatusCode.UNAVAILABLE"
     assert "cannot meet the request's deadline" in exc.value.message()
-    assert grpc_client.infer("sleepy", _x(2), client_timeout=10).as_numpy("Y")[0, 0] == 2.0
+    assert grpc_client.infer("sleepy", _x(2), client_timeout=30).as_numpy("Y")[0, 0] == 2.0
 
 
 def test_deadline_expiry_while_queued_frees_the_queue(spin_server, spin_client):
     server, client, model = spin_server, spin_client, "spin_deadline"
-    long = _start_long_spin(server, client, model)
-    before = _stats(server, model)
-    with pytest.raises(InferenceServerException) as exc:
-        client.infer(model, _x(1), client_timeout=0.5)
-    assert _status(exc) == "StatusCode.DEADLINE_EXCEEDED"
-    gone = _wait_stats(server, model, lambda s: s["pending_request_count"] == 0)
-    # The batcher's timer or the call's cancellation, whichever came first, took it out.
-    left = (gone["timed_out"] - before["timed_out"]) + (gone["cancelled"] - before["cancelled"])
-    assert left == 1
-    assert long.empty(), "the expiry waited for the running batch"
-    _long_spin_answer(long)
+    with _held(server, client, model) as held:
+        before = _stats(server, model)
+        with pytest.raises(InferenceServerException) as exc:
+            client.infer(model, _x(1), client_timeout=0.5)
+        assert _status(exc) == "StatusCode.DEADLINE_EXCEEDED"
+        gone = _wait_stats(server, model, lambda s: s["pending_request_count"] == 0)
+        # The batcher's timer or the call's cancellation, whichever came first, took it out.
+        left = (gone["timed_out"] - before["timed_out"]) + (gone["cancelled"] - before["cancelled"])
+        assert left == 1
+        assert held.empty(), "the expiry waited for the running batch"
+    _held_answer(held)
     idle = _wait_stats(server, model, _idle)
-    assert idle["inference_count"] == before["inference_count"] + 1  # only the long request ran
+    assert idle["inference_count"] == before["inference_count"] + 1  # only the held request ran
 
 
 def test_timeout_parameter_expires_with_the_servers_message(spin_server, spin_client):
     server, client, model = spin_server, spin_client, "spin_timeout"
-    long = _start_long_spin(server, client, model)
-    before = _stats(server, model)
-    with pytest.raises(InferenceServerException) as exc:
-        client.infer(model, _x(1), timeout=100_000)  # Triton's parameter: microseconds
-    assert _status(exc) == "StatusCode.DEADLINE_EXCEEDED"
-    assert "timed out" in exc.value.message() and f"{model}/1" in exc.value.message()
-    assert _stats(server, model)["timed_out"] == before["timed_out"] + 1
-    _long_spin_answer(long)
+    with _held(server, client, model) as held:
+        before = _stats(server, model)
+        with pytest.raises(InferenceServerException) as exc:
+            client.infer(model, _x(1), timeout=100_000)  # Triton's parameter: microseconds
+        assert _status(exc) == "StatusCode.DEADLINE_EXCEEDED"
+        assert "timed out" in exc.value.message() and f"{model}/1" in exc.value.message()
+        assert _stats(server, model)["timed_out"] == before["timed_out"] + 1
+    _held_answer(held)
 
 
 def test_client_cancel_takes_the_request_out_of_the_queue(spin_server, spin_client):
     server, client = spin_server, spin_client
-    long = _start_long_spin(server, client)
-    before = _stats(server, "spin")
-    answers: queue.Queue = queue.Queue()
-    call = client.async_infer("spin", _x(1), callback=lambda result, error: answers.put(error))
-    _wait_stats(server, "spin", lambda s: s["pending_request_count"] == 1)
-    call.cancel()
-    error = answers.get(timeout=10)
-    assert error is not None and "CANCELLED" in f"{error.status()} {error}".upper()
-    gone = _wait_stats(server, "spin", lambda s: s["pending_request_count"] == 0)
-    assert gone["cancelled"] == before["cancelled"] + 1
-    assert long.empty(), "the cancel waited for the running batch"
-    _long_spin_answer(long)
+    with _held(server, client) as held:
+        before = _stats(server, "spin")
+        answers: queue.Queue = queue.Queue()
+        call = client.async_infer("spin", _x(1), callback=lambda result, error: answers.put(error))
+        _wait_stats(server, "spin", lambda s: s["pending_request_count"] == 1)
+        call.cancel()
+        error = answers.get(timeout=10)
+        assert error is not None and "CANCELLED" in f"{error.status()} {error}".upper()
+        gone = _wait_stats(server, "spin", lambda s: s["pending_request_count"] == 0)
+        assert gone["cancelled"] == before["cancelled"] + 1
+        assert held.empty(), "the cancel waited for the running batch"
+    _held_answer(held)
     idle = _wait_stats(server, "spin", _idle)
     assert idle["inference_count"] == before["inference_count"] + 1
 
 
 def test_cancelled_stream_takes_its_requests_out_of_the_queue(spin_server, spin_client):
     server, client = spin_server, spin_client
-    long = _start_long_spin(server, client)
-    before = _stats(server, "spin")
 
     async def scenario():
         async with grpcaio.InferenceServerClient(server.grpc_url) as aio:
@@ -190,38 +193,42 @@ def test_cancelled_stream_takes_its_requests_out_of_the_queue(spin_server, spin_
             reading.cancel()
             await asyncio.gather(reading, return_exceptions=True)
 
-    asyncio.run(scenario())
-    gone = _wait_stats(server, "spin", lambda s: s["pending_request_count"] == 0)
-    assert gone["cancelled"] == before["cancelled"] + 2
-    assert long.empty(), "the cancel waited for the running batch"
-    _long_spin_answer(long)
+    with _held(server, client) as held:
+        before = _stats(server, "spin")
+        asyncio.run(scenario())
+        gone = _wait_stats(server, "spin", lambda s: s["pending_request_count"] == 0)
+        assert gone["cancelled"] == before["cancelled"] + 2
+        assert held.empty(), "the cancel waited for the running batch"
+    _held_answer(held)
 
 
 def test_one_stream_keeps_100_requests_in_flight(spin_server, spin_client):
-    """99 requests wait in the queue together behind a long one, all from one stream."""
+    """99 requests wait in the queue together behind a held one, all from one stream."""
     server, client, model = spin_server, spin_client, "spin_many"
     before = _wait_stats(server, model, _idle)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer(model, _x(SPIN_LONG, 0.5), request_id="long")
-        for i in range(99):
-            client.async_stream_infer(model, _x(1, float(i)), request_id=f"r-{i}")
-        # Had the stream taken one request at a time, at most one would wait.
-        _wait_stats(server, model, lambda s: s["pending_request_count"] == 99)
+        with frozen(server.worker_pid(model)):
+            client.async_stream_infer(model, _x(2, 0.25), request_id="held")
+            _wait_stats(server, model, lambda s: s["running_batch_count"] == 1)
+            for i in range(99):
+                client.async_stream_infer(model, _x(1, float(i)), request_id=f"r-{i}")
+            # Had the stream taken one request at a time, at most one would wait.
+            _wait_stats(server, model, lambda s: s["pending_request_count"] == 99)
     finally:
-        client.stop_stream()
+        client.stop_stream()  # waits for the stream's answers
     answers = {}
     while not responses.empty():
         result, error = responses.get_nowait()
         assert error is None, error
         answers[result.get_response().id] = result.as_numpy("Y")[0, 0]
-    assert answers == {"long": 0.5 * SPIN_LONG, **{f"r-{i}": float(i) for i in range(99)}}
+    assert answers == {"held": 0.5, **{f"r-{i}": float(i) for i in range(99)}}
     after = _wait_stats(server, model, _idle)
     assert after["inference_count"] - before["inference_count"] == 100
     assert (
         after["execution_count"] - before["execution_count"] == 2
-    )  # the long one, then 99 as one batch
+    )  # the held one, then 99 as one batch
 
 
 # --- error codes ----------------------------------------------------------------
@@ -291,17 +298,17 @@ def test_after_errors_the_same_models_still_serve(grpc_client):
 
 def test_full_queue_is_resource_exhausted_at_once(spin_server, spin_client):
     server, client = spin_server, spin_client
-    long = _start_long_spin(server, client)
     answers: queue.Queue = queue.Queue()
-    for _ in range(2):  # spin's max_queue_size
-        client.async_infer("spin", _x(1), callback=lambda result, error: answers.put(error))
-    _wait_stats(server, "spin", lambda s: s["pending_request_count"] == 2)
-    with pytest.raises(InferenceServerException) as exc:
-        client.infer("spin", _x(1))
-    assert _status(exc) == "StatusCode.RESOURCE_EXHAUSTED"
-    assert "max_queue_size 2" in exc.value.message()
-    assert long.empty(), "the refusal waited for the running batch"
-    _long_spin_answer(long)
+    with _held(server, client) as held:
+        for _ in range(2):  # spin's max_queue_size
+            client.async_infer("spin", _x(1), callback=lambda result, error: answers.put(error))
+        _wait_stats(server, "spin", lambda s: s["pending_request_count"] == 2)
+        with pytest.raises(InferenceServerException) as exc:
+            client.infer("spin", _x(1))
+        assert _status(exc) == "StatusCode.RESOURCE_EXHAUSTED"
+        assert "max_queue_size 2" in exc.value.message()
+        assert held.empty(), "the refusal waited for the running batch"
+    _held_answer(held)
     assert [answers.get(timeout=30) for _ in range(2)] == [None, None]
 
 
@@ -344,7 +351,7 @@ def test_reflection_lists_and_describes_the_services(server):
 def _spin_config(model_dir, tmp_path, grpc_config: dict) -> object:
     entry = model_entry(
         "spin", "spin.pt", [spec("X", "FP32", [-1])], [spec("Y", "FP32", [1])],
-        batching={"max_batch_size": 4, "timeout_ms": 60000},
+        batching={"max_batch_size": 4, "timeout_ms": 60000}, executor="process",
     )  # fmt: skip
     config = {"models": [entry], "drain_timeout_s": 60, "grpc": grpc_config}
     return write_config(model_dir, config, name=f"grpc-{tmp_path.name}.json")
@@ -360,13 +367,13 @@ def test_drain_turns_health_not_serving_and_finishes_in_flight_calls(model_dir, 
         assert next(overall).status == SERVING
         assert next(model).status == SERVING
         client = grpcclient.InferenceServerClient(server.grpc_url)
-        long = _start_long_spin(server, client)
-        server.proc.send_signal(signal.SIGTERM)
+        with _held(server, client) as held:
+            server.proc.send_signal(signal.SIGTERM)
+            assert next(overall).status == NOT_SERVING
+            assert next(model).status == NOT_SERVING
+            assert held.empty(), "health changed only after the in-flight call finished"
         t0 = time.monotonic()
-        assert next(overall).status == NOT_SERVING
-        assert next(model).status == NOT_SERVING
-        assert long.empty(), "health changed only after the in-flight call finished"
-        _long_spin_answer(long)
+        _held_answer(held)
         # The open health watches do not hold the drain for its 60 s.
         assert server.proc.wait(30) == 0
         assert time.monotonic() - t0 < 20

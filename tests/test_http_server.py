@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 
 import aiohttp
 import numpy as np
 import pytest
 import torch
-from helpers import stats, v2_body, wait_for_stats, wait_idle
-
-SPIN_LONG = 100_000  # columns; the spin model runs one matmul step per column
+from helpers import frozen, stats, v2_body, wait_for_stats, wait_idle
 
 
 @pytest.fixture
@@ -60,28 +59,37 @@ async def test_request_batch_dimension_larger_than_one(server, session, eager_mo
     np.testing.assert_allclose(np.array(out["data"]).reshape(3, 16), want, rtol=1e-5, atol=1e-5)
 
 
-async def _start_long_spin(session, base):
-    """Occupy the spin model's only instance with a long request; returns its task."""
+@contextlib.asynccontextmanager
+async def _spin_held(server, session):
+    """Occupy the spin model's only instance: one request runs on its frozen worker
+    until the block ends. Yields that request's task; it answers after the block."""
+    base = server.base
     await wait_idle(session, base, "spin")
-    body = v2_body("X", [0.5] * SPIN_LONG, [1, SPIN_LONG])
-    task = asyncio.create_task(_post(session, f"{base}/v2/models/spin/infer", body))
-    await wait_for_stats(session, base, "spin", lambda s: s["running_batch_count"] == 1)
-    return task
+    with frozen(server.worker_pid("spin")):
+        body = v2_body("X", [0.25, 0.25], [1, 2], parameters={"timeout_ms": 60_000})
+        task = asyncio.create_task(_post(session, f"{base}/v2/models/spin/infer", body))
+        await wait_for_stats(session, base, "spin", lambda s: s["running_batch_count"] == 1)
+        yield task
+
+
+async def _held_answer(task) -> None:
+    status, body, _ = await task
+    assert status == 200, body
+    assert body["outputs"][0]["data"] == [pytest.approx(0.5)]
 
 
 async def test_timeout_in_queue_answers_504_and_server_keeps_serving(server, session):
     base = server.base
-    long_task = await _start_long_spin(session, base)
-    before = await stats(session, base, "spin")
-    status, body, _ = await _post(
-        session, f"{base}/v2/models/spin/infer",
-        v2_body("X", [1.0, 2.0], [1, 2], parameters={"timeout_ms": 100}),
-    )  # fmt: skip
-    assert status == 504, body
-    assert "timed out" in body["error"]
-    long_status, long_body, _ = await long_task
-    assert long_status == 200, long_body
-    assert long_body["outputs"][0]["data"] == [pytest.approx(0.5 * SPIN_LONG)]
+    async with _spin_held(server, session) as held:
+        before = await stats(session, base, "spin")
+        status, body, _ = await _post(
+            session, f"{base}/v2/models/spin/infer",
+            v2_body("X", [1.0, 2.0], [1, 2], parameters={"timeout_ms": 100}),
+        )  # fmt: skip
+        assert status == 504, body
+        assert "timed out" in body["error"]
+        assert not held.done()
+    await _held_answer(held)
     after = await stats(session, base, "spin")
     assert after["timed_out"] == before["timed_out"] + 1
     # The server still serves, the header spelling of the timeout included.
@@ -94,22 +102,23 @@ async def test_timeout_in_queue_answers_504_and_server_keeps_serving(server, ses
 
 async def test_full_queue_answers_429_at_once(server, session):
     base = server.base
-    long_task = await _start_long_spin(session, base)
     url = f"{base}/v2/models/spin/infer"
     small = v2_body("X", [1.0], [1, 1])
-    queued = [asyncio.create_task(_post(session, url, small)) for _ in range(2)]
-    await wait_for_stats(session, base, "spin", lambda s: s["pending_request_count"] == 2)
-    status, body, headers = await _post(session, url, small)
-    assert status == 429
-    assert "max_queue_size 2" in body["error"]
-    assert headers["Retry-After"] == "1"
-    assert not long_task.done(), "the refusal waited for the running batch"
-    for status, body, _ in [await long_task, *await asyncio.gather(*queued)]:
+    async with _spin_held(server, session) as held:
+        queued = [asyncio.create_task(_post(session, url, small)) for _ in range(2)]
+        await wait_for_stats(session, base, "spin", lambda s: s["pending_request_count"] == 2)
+        status, body, headers = await _post(session, url, small)
+        assert status == 429
+        assert "max_queue_size 2" in body["error"]
+        assert headers["Retry-After"] == "1"
+        assert not held.done(), "the refusal waited for the running batch"
+    await _held_answer(held)
+    for status, body, _ in await asyncio.gather(*queued):
         assert status == 200, body
 
 
 async def test_unmeetable_deadline_answers_503_at_once(server, session):
-    # "sleepy" takes tens of ms per batch, as measured at warm-up.
+    # "sleepy" sleeps 1 s per batch, as measured at warm-up (more on a busy machine).
     status, body, _ = await _post(
         session, f"{server.base}/v2/models/sleepy/infer",
         v2_body("X", [1.0, 2.0], [1, 2], parameters={"timeout_ms": 1}),
@@ -124,20 +133,24 @@ async def test_unmeetable_deadline_answers_503_at_once(server, session):
 
 async def test_client_disconnect_removes_the_request_from_the_queue(server, session):
     base = server.base
-    long_task = await _start_long_spin(session, base)
-    before = await stats(session, base, "spin")
-    with pytest.raises(asyncio.TimeoutError):
-        await _post(
-            session, f"{base}/v2/models/spin/infer", v2_body("X", [1.0], [1, 1]),
-            timeout=aiohttp.ClientTimeout(total=0.3),
-        )  # fmt: skip
-    # Gone from the queue while the long batch is still running.
-    gone = await wait_for_stats(session, base, "spin", lambda s: s["pending_request_count"] == 0)
-    assert gone["cancelled"] == before["cancelled"] + 1
-    assert not long_task.done()
-    assert (await long_task)[0] == 200
+    url = f"{base}/v2/models/spin/infer"
+    async with _spin_held(server, session) as held:
+        before = await stats(session, base, "spin")
+        # The client gives up once the server has queued its request.
+        queued = asyncio.create_task(_post(session, url, v2_body("X", [1.0], [1, 1])))
+        await wait_for_stats(session, base, "spin", lambda s: s["pending_request_count"] == 1)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        # Gone from the queue while the held batch is still running.
+        gone = await wait_for_stats(
+            session, base, "spin", lambda s: s["pending_request_count"] == 0
+        )
+        assert gone["cancelled"] == before["cancelled"] + 1
+        assert not held.done()
+    await _held_answer(held)
     idle = await wait_idle(session, base, "spin")
-    assert idle["inference_count"] == before["inference_count"] + 1  # only the long request ran
+    assert idle["inference_count"] == before["inference_count"] + 1  # only the held request ran
 
 
 BAD_INPUTS = [

@@ -14,7 +14,8 @@ import aiohttp
 import numpy as np
 import pytest
 from conftest import model_entry, spec, start_server, write_config
-from helpers import v2_body, wait_for_stats
+from helpers import frozen, v2_body, wait_for_stats
+from reload_helpers import wait_log
 
 
 def _run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -117,7 +118,7 @@ def test_default_config_serves_the_builtin_model(tmp_path):
 def test_sigterm_lets_in_flight_requests_finish(model_dir, tmp_path):
     entry = model_entry(
         "spin", "spin.pt", [spec("X", "FP32", [-1])], [spec("Y", "FP32", [1])],
-        batching={"max_batch_size": 4, "timeout_ms": 60000},
+        batching={"max_batch_size": 4, "timeout_ms": 60000}, executor="process",
     )  # fmt: skip
     config = write_config(model_dir, {"models": [entry], "drain_timeout_s": 60},
                           name=f"drain-{tmp_path.name}.json")  # fmt: skip
@@ -126,17 +127,21 @@ def test_sigterm_lets_in_flight_requests_finish(model_dir, tmp_path):
     async def scenario():
         url = f"{server.base}/v2/models/spin/infer"
         async with aiohttp.ClientSession() as s:
-            # Different widths cannot share a batch: they queue behind each other.
-            widths = [20_000, 20_001, 20_002, 20_003, 20_004]
-            tasks = [
-                asyncio.create_task(s.post(url, json=v2_body("X", [1.0] * w, [1, w])))
-                for w in widths
-            ]
-            await wait_for_stats(
-                s, server.base, "spin",
-                lambda st: st["pending_request_count"] + st["running_batch_count"] == len(widths),
-            )  # fmt: skip
-            server.proc.send_signal(signal.SIGTERM)
+            # The worker is frozen until the server is draining: the first request runs,
+            # and the others (different widths cannot share a batch) queue behind it.
+            widths = [2, 3, 4, 5, 6]
+            with frozen(server.worker_pid("spin")):
+                tasks = [
+                    asyncio.create_task(s.post(url, json=v2_body("X", [1.0] * w, [1, w])))
+                    for w in widths
+                ]
+                await wait_for_stats(
+                    s, server.base, "spin",
+                    lambda st: st["pending_request_count"] + st["running_batch_count"]
+                    == len(widths),
+                )  # fmt: skip
+                server.proc.send_signal(signal.SIGTERM)
+                await asyncio.to_thread(wait_log, server, "SIGTERM received: draining")
             responses = await asyncio.gather(*tasks)
             out = []
             for w, r in zip(widths, responses, strict=True):

@@ -18,15 +18,13 @@ import orjson
 import pytest
 import tritonclient.grpc as grpcclient
 from conftest import ServerProcess, model_entry, spec, start_server, write_config
-from helpers import grpc_input, sync_stats, sync_wait_for_stats
+from helpers import frozen, grpc_input, sync_stats, sync_wait_for_stats
 
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(90)
 
-# Columns of a "spin" input: one matmul step each, so this many run for a while.
-SLOW_COLUMNS = 60_000
 MAX_ELEMENTS = 70_000
 
 
@@ -35,7 +33,7 @@ def _models(model_dir: Path) -> list[dict[str, Any]]:
         model_entry("affine", str(model_dir / "affine.pt"), [spec("INPUT0", "FP32", [16])],
                     [spec("OUTPUT0", "FP32", [16])]),
         model_entry("spin", str(model_dir / "spin.pt"), [spec("X", "FP32", [-1])],
-                    [spec("Y", "FP32", [1])],
+                    [spec("Y", "FP32", [1])], executor="process",  # helpers.frozen holds it
                     batching={"max_batch_size": 4, "max_delay_ms": 0, "timeout_ms": 60000}),
     ]  # fmt: skip
 
@@ -94,18 +92,31 @@ def test_max_tensor_elements(limited: ServerProcess) -> None:
 
 def test_max_concurrency_counts_both_frontends(limited: ServerProcess) -> None:
     base = limited.base
-    slow: list[int] = []
+    held: list[int] = []
 
-    def send_slow(columns: int) -> None:
-        slow.append(post(base, "/v2/models/spin/infer", spin_body(columns), timeout=60)[0])
+    def send_held(columns: int) -> None:
+        held.append(post(base, "/v2/models/spin/infer", spin_body(columns), timeout=60)[0])
 
-    # Two slow requests (different shapes: never one batch) fill the limit of 2.
-    threads = [threading.Thread(target=send_slow, args=(SLOW_COLUMNS + i,)) for i in range(2)]
+    # Two requests held by the frozen worker (different shapes: never one batch) fill
+    # the limit of 2.
+    with frozen(limited.worker_pid("spin")):
+        threads = [threading.Thread(target=send_held, args=(2 + i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        sync_wait_for_stats(
+            base, "spin", lambda s: s["pending_request_count"] + s["running_batch_count"] == 2
+        )
+        _refused_over_http_and_grpc(limited)
     for t in threads:
-        t.start()
-    sync_wait_for_stats(
-        base, "spin", lambda s: s["pending_request_count"] + s["running_batch_count"] == 2
-    )
+        t.join(60)
+    assert held == [200, 200]
+    # Room again: refusals left nothing behind.
+    assert post(base, "/v2/models/affine/infer", affine_body(1))[0] == 200
+
+
+def _refused_over_http_and_grpc(limited: ServerProcess) -> None:
+    """Both frontends refuse an inference at once while the limit is reached."""
+    base = limited.base
     status, headers, doc = post(base, "/v2/models/affine/infer", affine_body(1))
     assert status == 429 and headers["Retry-After"] == "1"
     assert doc["error"] == (
@@ -118,11 +129,6 @@ def test_max_concurrency_counts_both_frontends(limited: ServerProcess) -> None:
             stub.ModelInfer(request, timeout=10)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "limits.max_concurrency is 2" in (refused.value.details() or "")
-    for t in threads:
-        t.join(60)
-    assert slow == [200, 200]
-    # Room again: refusals left nothing behind.
-    assert post(base, "/v2/models/affine/infer", affine_body(1))[0] == 200
     text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
     assert (
         'aserve_rejected_requests_total{model="",reason="max_concurrency",version=""} 2.0' in text

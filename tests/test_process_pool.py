@@ -19,6 +19,7 @@ import psutil
 import pytest
 import torch
 from conftest import ServerProcess, model_entry, spec, start_server, write_config
+from helpers import frozen
 from reload_helpers import copy_handler, wait_log
 
 from aserve.config import ConfigError, ModelConfig, parse_config
@@ -29,7 +30,7 @@ from aserve.engines.wire import WireError, pack_arrays, unpack_arrays
 
 pytestmark = pytest.mark.timeout(120)
 
-EXIT, KILL, SLOW = -999.0, -777.0, -555.0
+EXIT, KILL = -999.0, -777.0
 
 
 def probe_model(name: str, **extra: Any) -> dict[str, Any]:
@@ -295,13 +296,16 @@ async def test_stop_answers_the_batch_a_worker_is_running(tmp_path: Path) -> Non
     pool = await _pool(tmp_path)
     loop = asyncio.get_running_loop()
     running: asyncio.Future[BatchJob] = loop.create_future()
-    pool.submit(_job(SLOW, running.set_result))
-    await asyncio.sleep(0.1)  # the worker is inside its half-second infer
     pid = pool.pids[0]
-    await pool.stop()
+    with frozen(pid):  # the batch is the worker's until it is let go, after stop began
+        pool.submit(_job(3.0, running.set_result))
+        stopping = asyncio.ensure_future(pool.stop())
+        await asyncio.sleep(0)  # one pass of the loop: stop() runs until it waits for the exit
+        assert not running.done()
+    await asyncio.wait_for(stopping, 30)
     job = await asyncio.wait_for(running, 5)
     assert job.error is None and job.outputs is not None
-    assert job.outputs["y"].tolist() == [[SLOW * 2, 2.0]]
+    assert job.outputs["y"].tolist() == [[6.0, 2.0]]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     late: asyncio.Future[BatchJob] = loop.create_future()
     pool.submit(_job(1.0, late.set_result))

@@ -43,13 +43,15 @@ def two_ways(
     srv.stop()
 
 
-async def health_changes(target: str, service: str) -> list[int]:
-    """Statuses a Health.Watch of ``service`` reports, until it is back to SERVING."""
+async def health_changes(target: str, service: str, watching: asyncio.Event) -> list[int]:
+    """Statuses a Health.Watch of ``service`` reports, until it is back to SERVING;
+    ``watching`` is set once the watch has its first answer."""
     seen: list[int] = []
     async with grpc.aio.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         async for answer in stub.Watch(health_pb2.HealthCheckRequest(service=service)):
             seen.append(answer.status)
+            watching.set()
             if answer.status == SERVING and NOT_SERVING in seen:
                 return seen
     return seen
@@ -79,8 +81,9 @@ async def test_killed_step_process_fails_its_streams_and_comes_back(
     async with aiohttp.ClientSession() as session:
         want = await complete(session, base, "proc", "Hello")
         (child,) = two_ways.spawned_children()
-        watch = asyncio.create_task(health_changes(two_ways.grpc_url, "proc"))
-        await asyncio.sleep(0.5)  # the watch has its first answer (SERVING)
+        watching = asyncio.Event()
+        watch = asyncio.create_task(health_changes(two_ways.grpc_url, "proc", watching))
+        await asyncio.wait_for(watching.wait(), 30)  # its first answer: SERVING
         body = {"model": "proc", "prompt": "Hi", "max_tokens": 120, "stream": True}
         body["ignore_eos"] = True
         async with session.post(base + "/v1/completions", json=body) as r:

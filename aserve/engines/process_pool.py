@@ -154,6 +154,8 @@ class ProcessPool:
             return
         child.up = True
         self._children[index] = child
+        # The pid in the log lets an operator (and a test) find, signal or profile one worker.
+        log.info("worker process %d of '%s' is up (pid %d)", index, self.name, proc.pid)
         self._feed(child)
 
     def submit(self, job: BatchJob) -> None:

@@ -5,8 +5,7 @@ Not collected by pytest; tests copy it beside the config that names it.
 process that ran ``infer``. Each method checks that its handler was loaded
 for a role that includes it (``context.role``), so a server that sent a
 method to the wrong process fails the request. A batch holding -999 raises
-``SystemExit`` in ``infer``; one holding -777 kills its process outright;
-one holding -555 takes half a second.
+``SystemExit`` in ``infer``; one holding -777 kills its process outright.
 ``parameters["fail_in"]`` names a role whose ``load`` raises.
 """
 
@@ -14,11 +13,10 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import numpy as np
 
-EXIT, KILL, SLOW = -999.0, -777.0, -555.0
+EXIT, KILL = -999.0, -777.0
 
 
 class Probe:
@@ -47,8 +45,6 @@ class Probe:
             raise SystemExit("exit on purpose")
         if np.any(x == KILL):
             os.kill(os.getpid(), signal.SIGKILL)
-        if np.any(x == SLOW):
-            time.sleep(0.5)
         pid = np.full((x.shape[0], 1), os.getpid(), np.int64)
         return {"y": x * self.scale, "pid": pid}
 
