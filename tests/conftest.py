@@ -55,15 +55,18 @@ class ServerProcess:
 
     def spawned_children(self) -> list[Any]:
         """The server's step and worker processes (multiprocessing's spawned children),
-        as psutil processes."""
+        as psutil processes; one that has exited (a zombie not reaped yet) is not among them."""
         import psutil
 
-        return [
-            p
-            for p in psutil.Process(self.proc.pid).children()
-            if "multiprocessing" in " ".join(p.cmdline())
-            and "resource_tracker" not in " ".join(p.cmdline())
-        ]
+        found = []
+        for p in psutil.Process(self.proc.pid).children():
+            try:
+                cmdline = " ".join(p.cmdline())
+            except (psutil.ZombieProcess, psutil.NoSuchProcess):
+                continue
+            if "multiprocessing" in cmdline and "resource_tracker" not in cmdline:
+                found.append(p)
+        return found
 
     def log_text(self) -> str:
         return "".join(self.log)

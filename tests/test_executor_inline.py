@@ -63,7 +63,7 @@ async def test_a_tiny_model_moves_onto_the_loop_after_its_first_runs() -> None:
         # An error inline fails its batch only, like on a thread.
         failed = await run_batch(pool, -1.0)
         assert isinstance(failed.error, ValueError) and failed.outputs is None
-        assert pool.inline_batches == 2 and pool.healthy
+        assert pool.inline_batches == 2 and pool.live == 1
     finally:
         await pool.stop()
 

@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,7 +15,12 @@ import pytest
 from conftest import ServerProcess, spec, start_server, write_config
 from reload_helpers import copy_handler, wait_log
 
+from aserve.codecs.validate import check_batch
+from aserve.config import ModelConfig
+from aserve.engines.base import Engine
 from aserve.engines.executor import BatchJob, ExecutorPool
+from aserve.errors import InternalError
+from aserve.loop.model import ModelRuntime
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,13 +83,13 @@ async def test_a_dead_executor_thread_is_restarted(killer: ServerProcess) -> Non
 
         # A request sent beside the fatal one is answered either way: served (queued
         # before the thread died, by the replacement) or refused while it restarts.
-        # test_pool_reports_unhealthy_until_the_thread_is_back pins the queued case.
+        # test_pool_counts_a_dead_thread_out_until_it_is_back pins the queued case.
         (s1, _), (s2, doc2) = await asyncio.gather(
             infer(session, base, MAGIC), infer(session, base, 3.0)
         )
         assert s1 == 500
         assert (s2, doc2) == (200, _expected(3.0)) or (s2, doc2) == (503, {
-            "error": "model 'killer/1' is not ready: an executor thread died and is restarting"
+            "error": "model 'killer/1' is not ready: its executor thread died and is restarting"
         })  # fmt: skip
         await wait_ready(session, base)
         async with session.get(f"{base}/v2/health/ready") as r:
@@ -132,34 +138,107 @@ async def _run(pool: ExecutorPool, x: float) -> BatchJob:
     return await asyncio.wait_for(fut, 10)
 
 
-async def test_pool_reports_unhealthy_until_the_thread_is_back() -> None:
+async def test_pool_counts_a_dead_thread_out_until_it_is_back() -> None:
     engine = _Engine()
     pool = ExecutorPool(engine, 1, "stand-in")  # type: ignore[arg-type]
-    health: list[bool] = []
+    lives: list[int] = []
     went_down = asyncio.Event()
 
-    def heard(healthy: bool) -> None:
-        health.append(healthy)
-        if not healthy:
+    def heard() -> None:
+        lives.append(pool.live)
+        if pool.live == 0:
             went_down.set()
 
-    pool.on_health = heard
+    pool.on_live = heard
     await pool.start()
     try:
-        assert pool.healthy
+        assert pool.live == 1
         failed = await _run(pool, -1.0)  # an Exception fails the batch; the thread lives
-        assert isinstance(failed.error, ValueError) and pool.healthy and pool.restarts == 0
+        assert isinstance(failed.error, ValueError) and pool.live == 1 and pool.restarts == 0
         killed = await _run(pool, MAGIC)
         assert isinstance(killed.error, SystemExit) and killed.outputs is None
         await asyncio.wait_for(went_down.wait(), 30)
-        assert not pool.healthy and health == [False] and pool.restarts == 1
+        assert pool.live == 0 and lives == [0] and pool.restarts == 1
         queued = asyncio.ensure_future(_run(pool, 4.0))  # waits for the replacement
         await asyncio.sleep(0.05)
         assert not queued.done()
         engine.gate.set()
         job = await queued
         assert job.error is None and job.outputs is not None and job.outputs["Y"][0] == 8.0
-        assert pool.healthy and health == [False, True]
+        assert pool.live == 1 and lives == [0, 1]
     finally:
         engine.gate.set()
         await pool.stop()
+
+
+class _HeldEngine(_Engine):
+    """``_Engine`` as a model's engine: ``instances`` come up at once, and a
+    replacement for one that died waits for ``gate``, so a test sees the model
+    while the restart is under way."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def load(self) -> None:
+        pass
+
+    def unload(self) -> None:
+        pass
+
+    def create_instance(self, index: int) -> int:
+        self.created += 1
+        if self.created > self.config.instances:
+            self.gate.wait(10)
+        return index
+
+
+class _StandInRuntime(ModelRuntime):
+    """A model runtime whose engine is the given one (no file to load)."""
+
+    def __init__(self, config: ModelConfig, base_dir: Path, engine: _HeldEngine) -> None:
+        super().__init__(config, base_dir)
+        self._engine = engine
+
+    def model_path(self) -> Path | None:
+        return None
+
+    def _create_engine(self, path: Path | None) -> Engine:
+        return self._engine  # type: ignore[return-value]
+
+
+async def _infer(runtime: ModelRuntime, x: float) -> np.ndarray:
+    inputs = {"X": np.array([[x, 1.0]], np.float32)}
+    size, key = check_batch(inputs, runtime.input_specs, runtime.name, 4, False)
+    outputs = await asyncio.wait_for(runtime.infer(inputs, size, key, 10.0), 20)
+    return outputs["Y"]
+
+
+async def test_with_two_instances_a_dead_thread_leaves_the_model_ready(tmp_path: Path) -> None:
+    config = ModelConfig(
+        name="pair", engine="torch", path="unused.pt", instances=2,
+        inputs=[spec("X", "FP32", [2])], outputs=[spec("Y", "FP32", [2])],
+        batching={"max_batch_size": 4, "max_delay_ms": 0},
+    )  # fmt: skip
+    engine = _HeldEngine(config)
+    runtime = _StandInRuntime(config, tmp_path, engine)
+    await runtime.load()
+    try:
+        assert runtime.ready and engine.created == 2
+        with pytest.raises(InternalError, match="boom"):
+            await _infer(runtime, MAGIC)  # its thread dies
+        for _ in range(1000):  # until the replacement thread is being created (and held)
+            if engine.created == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.created == 3
+        # The other instance serves meanwhile: ready, and every request answered.
+        assert runtime.ready and runtime.not_ready_reason() is None
+        answers = await asyncio.gather(*(_infer(runtime, float(i)) for i in range(12)))
+        assert [a.tolist() for a in answers] == [[[2.0 * i, 2.0]] for i in range(12)]
+        assert runtime.ready
+        engine.gate.set()
+        assert (await _infer(runtime, 5.0)).tolist() == [[10.0, 2.0]]
+    finally:
+        engine.gate.set()
+        await runtime.unload()

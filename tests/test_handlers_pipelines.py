@@ -19,7 +19,7 @@ import tritonclient.http as httpclient
 from conftest import ServerProcess, model_entry, spec, start_server, write_config
 from helpers import sync_stats
 from models import Affine, _script_save
-from reload_helpers import HANDLERS, config_status, copy_handler
+from reload_helpers import HANDLERS, config_status, copy_handler, get_json
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.timeout(120)
@@ -275,6 +275,42 @@ def test_repository_index_load_and_unload(client, srv):
         client.load_model("nope")
     with pytest.raises(InferenceServerException, match="not supported"):
         client.load_model("affine", config="{}")
+
+
+def test_a_pipeline_follows_its_steps_readiness(client, srv):
+    """A step unloaded on its own: the pipeline is routed still, but not ready."""
+    import tritonclient.grpc as grpcclient
+
+    def index() -> dict[str, tuple[str, str]]:
+        models = client.get_model_repository_index()
+        return {m["name"]: (m["state"], m.get("reason", "")) for m in models}
+
+    grpc = grpcclient.InferenceServerClient(srv.grpc_url)
+    try:
+        assert client.is_model_ready("text_affine") and grpc.is_model_ready("text_affine")
+        client.unload_model("tokenizer")
+        why = "pipeline 'text_affine/1' is not ready: step 0 (tokenizer) is not loaded"
+        assert not client.is_model_ready("text_affine")
+        assert not grpc.is_model_ready("text_affine")
+        assert index()["text_affine"] == ("UNAVAILABLE", why)
+        assert "text_affine" not in {
+            m["name"] for m in get_json_post(srv.base + "/v2/repository/index", b'{"ready": true}')
+        }
+        status, doc = get_json(srv.base + "/v2/models/text_affine/ready")
+        assert (status, doc) == (503, {"error": why})
+        with pytest.raises(InferenceServerException, match=r"step 0 \(tokenizer\) is not loaded"):
+            client.infer("text_affine", [_text_input([b"x"])])
+        # The server is ready only when every model is (see the README's probes).
+        assert not client.is_server_ready() and not grpc.is_server_ready()
+
+        client.load_model("tokenizer")
+        assert client.is_model_ready("text_affine") and grpc.is_model_ready("text_affine")
+        assert index()["text_affine"] == ("READY", "")
+        assert client.is_server_ready()
+        result = client.infer("text_affine", [_text_input([b"back"])])
+        assert result.as_numpy("LENGTH").tolist() == [[4]]
+    finally:
+        grpc.close()
 
 
 def get_json_post(url: str, body: bytes) -> Any:

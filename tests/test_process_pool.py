@@ -163,7 +163,7 @@ async def test_a_worker_that_dies_is_replaced(procs: ServerProcess) -> None:
         status, doc = await probe(session, base, 3.0)
         assert status in (200, 503), doc
         if status == 503:
-            assert "an executor process died and is restarting" in doc["error"]
+            assert "its executor process died and is restarting" in doc["error"]
         await wait_ready(session, base, "probe")
 
         # Killed mid-batch (SIGKILL from inside infer): that batch fails, the next is served.
@@ -179,6 +179,52 @@ async def test_a_worker_that_dies_is_replaced(procs: ServerProcess) -> None:
     wait_log(procs, "worker process 0 of 'probe' is back (restart 3)")
     assert len(procs.spawned_children()) == 3
     assert procs.proc.poll() is None
+
+
+async def test_with_one_of_two_workers_down_the_other_serves_and_the_model_stays_ready(
+    tmp_path: Path,
+) -> None:
+    copy_handler(tmp_path, "worker_probe")
+    hold = tmp_path / "hold"  # while it exists, a worker being started waits in its load
+    model = probe_model("probe", instances=2, parameters={"hold_load_while": str(hold)})
+    srv = start_server(write_config(tmp_path, {"models": [model]}))
+    try:
+        workers = {p.pid for p in srv.spawned_children()}
+        assert len(workers) == 2
+        victim = min(workers)
+        (survivor,) = workers - {victim}
+        hold.touch()
+        os.kill(victim, signal.SIGKILL)
+        # The restart is under way, and held there: the killed worker is gone and
+        # its replacement has started but not loaded.
+        for _ in range(3000):
+            now = {p.pid for p in srv.spawned_children()}
+            if victim not in now and len(now - workers) == 1:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"no replacement worker started: {now}")
+        wait_log(srv, "of 'probe' exited (exit code -9); restarting it")
+        async with aiohttp.ClientSession() as session:
+            for round_ in range(3):
+                answers = await asyncio.gather(
+                    *(probe(session, srv.base, float(i)) for i in range(12))
+                )
+                for i, (status, doc) in enumerate(answers):
+                    assert status == 200, (round_, doc)
+                    out = {o["name"]: o["data"] for o in doc["outputs"]}
+                    assert out["Y"] == [2.0 * i, 2.0] and out["PID"] == [survivor]
+                for path in ("/v2/models/probe/ready", "/v2/health/ready"):
+                    async with session.get(srv.base + path) as r:
+                        assert r.status == 200, (path, await r.text())
+            assert "is back" not in srv.log_text()  # all of that while the restart was held
+            hold.unlink()
+            wait_log(srv, "of 'probe' is back (restart 1)")
+            status, _ = await probe(session, srv.base, 1.0)
+            assert status == 200
+    finally:
+        hold.unlink(missing_ok=True)
+        srv.stop()
 
 
 def test_a_worker_that_cannot_load_stops_the_start_with_its_reason(tmp_path: Path) -> None:
@@ -281,13 +327,13 @@ async def test_batches_sent_while_the_worker_restarts_wait_for_it(tmp_path: Path
         pool.submit(_job(KILL, killed))
         failed = await asyncio.wait_for(first, 30)
         assert "exit code -9" in str(failed.error)
-        assert not pool.healthy
+        assert pool.live == 0
         served = await asyncio.wait_for(second, 60)
         assert served.error is None, served.error
         assert served.outputs is not None
         assert served.outputs["y"].tolist() == [[4.0, 2.0]]
         assert served.outputs["y"].flags.writeable  # a postprocess may change it in place
-        assert pool.healthy and pool.restarts == 1
+        assert pool.live == 1 and pool.restarts == 1
     finally:
         await pool.stop()
 

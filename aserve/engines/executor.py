@@ -77,12 +77,13 @@ class ExecutorPool:
     """``instances`` threads serving one engine, supervised from the loop.
 
     A thread that dies (a ``BaseException`` from the engine, such as
-    ``SystemExit``, or anything escaping its loop) answers its batch in
-    flight with that error, tells the loop, and exits; the loop starts a
-    replacement, which creates its instance state afresh. Until every
-    instance is running again ``healthy`` is False, and the model reports
-    not ready. ``on_health`` (set by the owner) is called on the loop with
-    the new value each time it changes.
+    ``SystemExit``, or anything escaping its loop) tells the loop, answers
+    its batch in flight with that error, and exits; the loop starts a
+    replacement, which creates its instance state afresh. The threads share
+    one queue, so batches go to the live ones meanwhile: ``live`` counts the
+    instances that can take a batch, and the model is not ready only while
+    it is 0. ``on_live`` (set by the owner) is called on the loop each time
+    ``live`` changes.
     """
 
     def __init__(self, engine: Engine, instances: int, name: str) -> None:
@@ -95,7 +96,7 @@ class ExecutorPool:
         self._down: set[int] = set()  # instances whose thread died and is not back yet
         self._stopping = False
         self.restarts = 0
-        self.on_health: Callable[[bool], Any] | None = None
+        self.on_live: Callable[[], Any] | None = None
         self._inline_instance: Any = None  # created on the loop's thread, if the engine allows
         # Per batch-size class (bit length): the last stack+run times (ns), and the verdict.
         self._costs: dict[int, deque[int]] = {}
@@ -103,8 +104,9 @@ class ExecutorPool:
         self.inline_batches = 0
 
     @property
-    def healthy(self) -> bool:
-        return not self._down
+    def live(self) -> int:
+        """Instances whose thread runs (none of them being restarted)."""
+        return self.instances - len(self._down)
 
     async def start(self) -> None:
         """Start the instance threads; returns once each has created its instance state."""
@@ -173,7 +175,6 @@ class ExecutorPool:
     # --- supervision (on the loop) ----------------------------------------------
 
     def _on_thread_died(self, index: int, error: BaseException) -> None:
-        was_healthy = self.healthy
         self._down.add(index)
         self._threads.pop(index, None)
         if self._stopping:
@@ -182,8 +183,7 @@ class ExecutorPool:
             self._jobs.put(_STOP)
             return
         log.error("executor thread %d of '%s' died (%r); restarting it", index, self.name, error)
-        if was_healthy:
-            self._health_changed()
+        self._live_changed()
         self.restarts += 1
         self._spawn(index).add_done_callback(lambda fut: self._on_restarted(index, fut))
 
@@ -197,12 +197,11 @@ class ExecutorPool:
             return
         self._down.discard(index)
         log.info("executor thread %d of '%s' is back", index, self.name)
-        if self.healthy:
-            self._health_changed()
+        self._live_changed()
 
-    def _health_changed(self) -> None:
-        if self.on_health is not None:
-            self.on_health(self.healthy)
+    def _live_changed(self) -> None:
+        if self.on_live is not None:
+            self.on_live()
 
     # --- executor-thread side -------------------------------------------------
 
@@ -228,12 +227,13 @@ class ExecutorPool:
                 _run(engine, job, instance)
                 post_threadsafe(loop, self._finished, job)
                 job = None
-        except BaseException as exc:  # the thread dies: answer its batch, then tell the loop
+        except BaseException as exc:  # the thread dies: tell the loop, then answer its batch
+            # In this order, so that the batcher, answered, counts this instance out.
+            post_threadsafe(loop, self._on_thread_died, index, exc)
             if isinstance(job, BatchJob):
                 job.outputs = None
                 job.error = exc
                 post_threadsafe(loop, job.on_done, job)
-            post_threadsafe(loop, self._on_thread_died, index, exc)
 
 
 def _run(engine: Engine, job: BatchJob, instance: Any) -> None:

@@ -23,11 +23,13 @@ writes the job and reads the answer through the pipe's transport
 
 A child ignores SIGINT/SIGTERM (the server drains first, then stops it) and
 exits when its pipe closes, so it never outlives the server. If it dies, its
-batch in flight fails, ``healthy`` turns False (the model reports not ready)
-and a new child is started with backoff; ``on_health`` hears both changes.
-Batches submitted while no child is free (the batcher counted the dead one's
-slot) wait in the pool for the replacement, as queued requests wait for a
-restarted executor thread; ``stop`` answers whatever is left.
+batch in flight fails, ``live`` (the children that can take a batch) drops
+by one and a new child is started with backoff; ``on_live`` hears both
+changes. Batches go to the live children meanwhile: the batcher hands out
+no more than ``live`` at a time, and the model is not ready only while no
+child is up. A batch submitted while no child is free waits in the pool for
+one, as queued requests wait for a restarted executor thread; ``stop``
+answers whatever is left.
 """
 
 from __future__ import annotations
@@ -96,17 +98,17 @@ class ProcessPool:
         self.name = name
         self._loop: asyncio.AbstractEventLoop | None = None
         self._children: dict[int, _Child] = {}
-        self._down: set[int] = set()
         self._stopping = False
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._exited: dict[int, _Child] = {}  # dead, their batch not answered yet
         self._waiting: deque[BatchJob] = deque()  # no child free: one is restarting
         self.restarts = 0
-        self.on_health: Callable[[bool], Any] | None = None
+        self.on_live: Callable[[], Any] | None = None
 
     @property
-    def healthy(self) -> bool:
-        return not self._down and len(self._children) == self.instances
+    def live(self) -> int:
+        """Children up and serving (none being restarted)."""
+        return sum(1 for c in self._children.values() if c.up)
 
     @property
     def pids(self) -> list[int]:
@@ -286,10 +288,7 @@ class ProcessPool:
             return
         del self._children[child.index]
         self._exited[child.index] = child
-        was_healthy = not self._down
-        self._down.add(child.index)
-        if was_healthy:
-            self._health_changed()
+        self._live_changed()
         self._restarts[child.index] = asyncio.ensure_future(self._restart(child))
 
     def _fail_exited(self, child: _Child, reason: str) -> None:
@@ -332,16 +331,14 @@ class ProcessPool:
                 return
             self.restarts += 1
             self._restarts.pop(index, None)
-            self._down.discard(index)
             log.warning("worker process %d of '%s' is back (restart %d)", index, self.name,
                         self.restarts)  # fmt: skip
-            if self.healthy:
-                self._health_changed()
+            self._live_changed()
             return
 
-    def _health_changed(self) -> None:
-        if self.on_health is not None:
-            self.on_health(self.healthy)
+    def _live_changed(self) -> None:
+        if self.on_live is not None:
+            self.on_live()
 
 
 # --- the child ---------------------------------------------------------------------------

@@ -201,10 +201,9 @@ class HttpFrontend:
             runtime = self._runtime(request)
         except AserveError as exc:
             return error_response(exc)
-        if not runtime.ready:
-            return error_response(
-                Unavailable(f"model '{runtime.label}' is not ready ({runtime.state.value})")
-            )
+        reason = runtime.not_ready_reason()
+        if reason is not None:
+            return error_response(Unavailable(reason))
         return _json({"name": runtime.name, "ready": True})
 
     async def _stats(self, request: web.Request) -> web.Response:

@@ -231,6 +231,13 @@ class GenerationRuntime:
             await asyncio.sleep(_DRAIN_POLL_S)
         return True
 
+    def not_ready_reason(self) -> str | None:
+        """Why the model cannot take requests now, or None (as ModelRuntime's)."""
+        if self.ready:
+            return None
+        why = self.state.value if self.state is not ModelState.READY else "restarting"
+        return f"model '{self.label}' is not ready ({why})"
+
     @staticmethod
     def reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
         """A decoder model takes no settings in place: any change reloads it."""

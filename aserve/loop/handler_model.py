@@ -32,7 +32,7 @@ from aserve.errors import (
     InvalidArgument,
     Unavailable,
 )
-from aserve.loop.model import ModelRuntime, ModelState
+from aserve.loop.model import ModelRuntime
 
 # The last part of a request's time budget that its answer needs to reach the client.
 ANSWER_SLACK = 0.05
@@ -121,8 +121,9 @@ class HandlerRuntime(ModelRuntime):
         # reload waits for this request too.
         self.inflight += 1
         try:
-            if self.state is not ModelState.READY or self._engine is None:
-                raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+            reason = self.not_ready_reason()
+            if reason is not None or self._engine is None:
+                raise Unavailable(reason or f"model '{self.label}' is not ready")
             now = time.monotonic()
             deadline = now + timeout_s
             handler = self._engine.handler

@@ -75,8 +75,22 @@ class ModelRuntime:
 
     @property
     def ready(self) -> bool:
-        """READY, and every executor thread or process running (none is being restarted)."""
-        return self.state is ModelState.READY and (self._pool is None or self._pool.healthy)
+        """READY, and at least one instance can serve (DESIGN: "Running many of it")."""
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        """Why the model cannot take requests now, or None when it can.
+
+        An instance being restarted does not count while another one serves:
+        the batcher routes around it.
+        """
+        if self.state is not ModelState.READY:
+            return f"model '{self.label}' is not ready ({self.state.value})"
+        if self._pool is not None and self._pool.live == 0:
+            kind = self.config.executor
+            which = "its executor" if self.config.instances == 1 else "every executor"
+            return f"model '{self.label}' is not ready: {which} {kind} died and is restarting"
+        return None
 
     @property
     def worker_pids(self) -> list[int]:
@@ -170,13 +184,10 @@ class ModelRuntime:
         return await fut
 
     def submit(self, req: InferenceRequest) -> None:
-        if self.state is not ModelState.READY or self.batcher is None:
-            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
-        if self._pool is not None and not self._pool.healthy:
-            raise Unavailable(
-                f"model '{self.label}' is not ready: an executor {self.config.executor} died "
-                "and is restarting"
-            )
+        reason = self.not_ready_reason()
+        if reason is not None:
+            raise Unavailable(reason)
+        assert self.batcher is not None
         self.batcher.submit(req)
 
     async def infer(

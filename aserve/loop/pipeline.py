@@ -53,6 +53,23 @@ class PipelineRuntime(ModelRuntime):
             "pipeline %s ready: %s", self.label, " -> ".join(s.model for s in self.config.steps)
         )
 
+    def not_ready_reason(self) -> str | None:
+        """Why the pipeline cannot take requests now: not loaded, or a step's model
+        unloaded or not ready (its requests would all be refused at that step)."""
+        reason = super().not_ready_reason()
+        if reason is not None:
+            return reason
+        for index, step in enumerate(self.config.steps):
+            where = f"pipeline '{self.label}' is not ready: step {index} ({step.model})"
+            try:
+                runtime = self._registry.get(step.model, step.version)
+            except NotFound:
+                return f"{where} is not loaded"
+            step_reason = runtime.not_ready_reason()
+            if step_reason is not None:
+                return f"{where}: {step_reason}"
+        return None
+
     @property
     def busy(self) -> bool:
         return self.inflight > 0
@@ -83,8 +100,9 @@ class PipelineRuntime(ModelRuntime):
         parameters: dict[str, Any] | None = None,
     ) -> dict[str, np.ndarray]:
         """Run the steps in order; a failing step fails the request with its error."""
-        if self.state is not ModelState.READY:
-            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+        reason = self.not_ready_reason()
+        if reason is not None:
+            raise Unavailable(reason)
         self.inflight += 1
         start = time.monotonic()
         deadline = start + timeout_s

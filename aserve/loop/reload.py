@@ -291,6 +291,9 @@ class Reloader:
             rt = served.get(m.key)
             if rt is not None:
                 state, reason = rt.state.value, ""
+                why = rt.not_ready_reason() if rt.state.value == "READY" else None
+                if why is not None:  # loaded, but cannot serve: a pipeline's step is gone, say
+                    state, reason = "UNAVAILABLE", why
             else:
                 reason = "unloaded" if m.name in self.unloaded else "not loaded"
                 state = "UNAVAILABLE"

@@ -80,12 +80,24 @@ class Batcher:
         self._fifo: deque[InferenceRequest] = deque()  # by arrival; may hold stale entries
         self._queued_requests = 0
         self._queued_items = 0
-        self._free = pool.instances
         self._running: set[_Running] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._pump_soon = False
         self._closed = False
+        pool.on_live = self._on_live
+
+    @property
+    def _free(self) -> int:
+        """Instances free for a batch: the live ones (a dead one's restart does not
+        count) less the batches out. Below 0 while a dead instance's batch is out."""
+        return self._pool.live - len(self._running)
+
+    def _on_live(self) -> None:
+        """An instance died or came back: a batch may run now that could not."""
+        if self._queued_requests and not self._pump_soon:
+            self._pump_soon = True
+            self._loop.call_soon(self._pump)
 
     # --- state seen by others -------------------------------------------------
 
@@ -151,10 +163,12 @@ class Batcher:
             high = self.latency.high
             start = now if ready_at is None else ready_at
             first_free = (
-                start if self._free > 0 else min(r.started + high(r.size) for r in self._running)
+                start
+                if self._free > 0 or not self._running
+                else min(r.started + high(r.size) for r in self._running)
             )
             finish = predicted_finish(
-                start, self._queued_items + ahead_items, items, self._pool.instances,
+                start, self._queued_items + ahead_items, items, self._pool.live,
                 first_free, self.limits, high, deadline,
             )  # fmt: skip
             # What recent misses say the prediction is short by (1.0 unless overloaded),
@@ -308,7 +322,6 @@ class Batcher:
         earliest = min(r.deadline for r in picked)
         running.timer = self._loop.call_later(earliest - now, self._expire_running, running)
         self._running.add(running)
-        self._free -= 1
         self._pool.submit(BatchJob([r.inputs for r in picked], size, self._on_done, running))
 
     def _on_done(self, job: BatchJob) -> None:
@@ -318,7 +331,6 @@ class Batcher:
         self._running.discard(running)
         if running.timer is not None:
             running.timer.cancel()
-        self._free += 1
         if job.error is None:  # a failure's time (an instant refusal, say) says nothing
             self.latency.observe(running.size, now - running.started)
         t0 = time.perf_counter_ns()

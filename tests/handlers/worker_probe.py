@@ -6,13 +6,16 @@ process that ran ``infer``. Each method checks that its handler was loaded
 for a role that includes it (``context.role``), so a server that sent a
 method to the wrong process fails the request. A batch holding -999 raises
 ``SystemExit`` in ``infer``; one holding -777 kills its process outright.
-``parameters["fail_in"]`` names a role whose ``load`` raises.
+``parameters["fail_in"]`` names a role whose ``load`` raises; while the file
+``parameters["hold_load_while"]`` exists, ``load`` in a worker waits (a test
+holds a restarting worker back with it).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -24,6 +27,11 @@ class Probe:
         self.role = context.role
         if context.parameters.get("fail_in") == self.role:
             raise RuntimeError(f"cannot load in role {self.role}")
+        hold = context.parameters.get("hold_load_while")
+        if hold and self.role == "infer":
+            deadline = time.monotonic() + 60  # never hold a test run forever
+            while os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.01)
         # The "weights": only where infer runs.
         self.scale = None if self.role == "front" else np.float32(2.0)
 
