@@ -390,3 +390,21 @@ def test_json_values_that_are_allowed_decode_exactly(datatype, count):
     got = decode(body, specs(datatype, (-1,))).inputs["T"]
     assert got.dtype == np.dtype(NUMERIC.get(datatype, object)) and got.shape == (1, count)
     np.testing.assert_array_equal(got.ravel(), want)
+
+
+def test_a_request_decoded_off_the_loop_takes_a_reloaded_runtime_only_with_the_same_io():
+    from types import SimpleNamespace
+
+    from aserve.codecs.validate import same_io
+    from aserve.errors import Unavailable
+
+    def runtime(shape):
+        io = specs("FP32", shape)
+        return SimpleNamespace(name="m", input_specs=io, output_specs=io, max_batch_size=8)
+
+    before = runtime((2,))
+    assert same_io(before, before) is before
+    now = runtime((2,))
+    assert same_io(before, now) is now
+    with pytest.raises(Unavailable, match="model 'm' was reloaded with other inputs"):
+        same_io(before, runtime((3,)))

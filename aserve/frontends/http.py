@@ -238,7 +238,8 @@ class HttpFrontend:
                 f"request body is {length} bytes, over the limit max_request_bytes {self._max_body}"
             )
         body = await read_body(request)
-        # Routing is looked up only now, with no await from here to the submit:
+        # Routing is looked up only now, with no await from here to the submit
+        # (but the decoding of large tensors, after which it is looked up again):
         # a runtime a reload takes out of routing is drained once its queue is
         # empty, so a request must not hold one across an await before queueing.
         runtime = self._runtime(request)
