@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 
 from aserve.codecs.binary import bytes_elements
-from aserve.codecs.datatypes import numpy_dtype
+from aserve.codecs.datatypes import DATATYPES, numpy_dtype
 from aserve.config import TensorSpec
 from aserve.errors import InvalidArgument, TooLarge, Unavailable, Unimplemented
 
 # numpy (and every engine) counts in int64: a dimension, and the product of a
 # shape's dimensions times the element size, must stay below this.
 INT64_MAX = 2**63 - 1
+_ITEMSIZE = {t: numpy_dtype(t).itemsize for t in DATATYPES}
 
 
 def check_input(
@@ -91,7 +92,7 @@ def _element_count(name: str, shape: Any, spec: TensorSpec) -> int:
         span = 1
         for d in shape:
             span *= d or 1
-    if span * numpy_dtype(spec.datatype).itemsize > INT64_MAX:
+    if span * _ITEMSIZE[spec.datatype] > INT64_MAX:
         raise InvalidArgument(
             f"input '{name}': shape {shape} is too large for a tensor (its dimensions "
             f"multiply past {INT64_MAX} bytes of {spec.datatype})"
