@@ -349,7 +349,20 @@ def _bad_shape(model: str, index: int) -> st.SearchStrategy[Any]:
             lambda t: [t[1] if i == t[0] else d for i, d in enumerate(item["shape"])]
         ),
         st.sampled_from(
-            [[1, 10**12], [10**9, 16], [2**63, 1], [1, 2**64 - 1], [0, 16], [-1, 16]]
+            [
+                [1, 10**12],
+                [10**9, 16],
+                [2**63, 1],
+                [1, 2**64 - 1],
+                [0, 16],
+                [-1, 16],
+                # Past what numpy can index, with a zero that makes them empty (or not).
+                [0, 2**63 - 1],
+                [0, 2**64 - 1],
+                [0, 2**62],
+                [1, 2**61],
+                [2**61, 4],
+            ]
         ).filter(lambda s: s != item["shape"]),
     )
 
@@ -366,28 +379,36 @@ def _bad_data(model: str, index: int) -> st.SearchStrategy[Any]:
     ]
     if model == "tokenizer":  # BYTES data must be strings
         strategies.append(st.lists(NON_STR, min_size=count, max_size=count))
-    elif item["datatype"] in ("FP32", "FP64"):  # not numbers; None and bools would convert
+    elif item["datatype"] in ("FP32", "FP64", "FP16"):  # not JSON numbers (null, "1", true too)
         junk = st.one_of(
-            st.text(max_size=6).filter(lambda s: not _numeric_text(s)),
+            st.text(max_size=6),
             st.dictionaries(st.text(max_size=3), _SCALARS, max_size=2),
+            st.none(),
+            st.booleans(),
         )
-        strategies.append(
-            st.tuples(st.integers(0, count - 1), junk).map(
-                lambda t: [t[1] if i == t[0] else 0.5 for i in range(count)]
-            )
-        )
-    elif item["datatype"] in ("INT8", "UINT8", "INT64"):  # out of the type's range
+        strategies.append(_one_element(count, junk, 0.5))
+    elif item["datatype"] in ("INT8", "UINT8", "INT64"):  # out of the type's range, or no integer
         lo, hi = {"INT8": (-128, 127), "UINT8": (0, 255), "INT64": (-(2**63), 2**63 - 1)}[
             item["datatype"]
         ]
         out = st.one_of(st.integers(max_value=lo - 1), st.integers(min_value=hi + 1))
         strategies.append(out.map(lambda v: [v] * count))
+        strategies.append(_one_element(count, NON_INT, 1))
+    elif item["datatype"] == "BOOL":  # only true and false
+        strategies.append(_one_element(count, NON_BOOL, True))
     # Two elements nested deeper than any shape, up to orjson's limit of 1024 with
     # the three levels around 'data': decoding must not recurse without bound.
     leaves = '"a", "b"' if model == "tokenizer" else "1, 1"
     depth = st.one_of(st.integers(1, 1021), st.integers(990, 1021))
     strategies.append(depth.map(lambda d: Nested(d, leaves)))
     return st.one_of(*strategies)
+
+
+def _one_element(count: int, junk: st.SearchStrategy[Any], good: Any) -> st.SearchStrategy[Any]:
+    """Valid data with one element, anywhere, replaced by ``junk``."""
+    return st.tuples(st.integers(0, count - 1), junk).map(
+        lambda t: [t[1] if i == t[0] else good for i in range(count)]
+    )
 
 
 @st.composite

@@ -7,15 +7,18 @@ and are read back with tritonclient's ``InferResult``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import tritonclient.grpc as tc
 from tritonclient.grpc import service_pb2 as tpb
 
 from aserve._proto import grpc_service_pb2 as pb
+from aserve.codecs.v2 import OFF_LOOP_ELEMENTS
 from aserve.codecs.v2_grpc import CONTENTS_FIELD, decode_infer_request, encode_infer_response
 from aserve.config import TensorSpec
-from aserve.errors import ErrorCode
+from aserve.errors import AserveError, ErrorCode
 
 DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
              "FP16", "FP32", "FP64", "BYTES"]  # fmt: skip
@@ -251,3 +254,78 @@ def test_fp16_cannot_travel_typed():
     with pytest.raises(Exception) as exc:
         _decode(req, specs)
     assert "'H'" in exc.value.message and "raw_input_contents" in exc.value.message
+
+
+# --- shapes, limits and large tensors ------------------------------------------------------
+
+
+def _one_input(datatype: str, shape: list[int], spec_shape: list[int]) -> tuple[Any, Any]:
+    specs = {"X": TensorSpec(name="X", datatype=datatype, shape=spec_shape)}
+    req = pb.ModelInferRequest(model_name="m")
+    req.inputs.add(name="X", datatype=datatype, shape=shape)
+    return req, specs
+
+
+@pytest.mark.parametrize(
+    "shape,words",
+    [
+        ([0, 2**63 - 1], "too large for a tensor"),
+        ([0, 2**62], "too large for a tensor"),
+        ([1, -3], "dimension 1 of shape [1, -3] is -3"),
+        ([-(2**63), 1], "must not be negative"),
+    ],
+)
+@pytest.mark.parametrize("raw", [True, False], ids=["raw", "typed"])
+def test_impossible_shapes_are_invalid_argument(shape, words, raw):
+    req, specs = _one_input("FP32", shape, [-1])
+    if raw:
+        req.raw_input_contents.append(b"")
+    with pytest.raises(AserveError) as refused:
+        _decode(req, specs)
+    assert refused.value.code is ErrorCode.INVALID_ARGUMENT
+    assert "input 'X'" in refused.value.message and words in refused.value.message
+
+
+def test_the_element_limit_comes_from_the_declared_shape_before_decoding():
+    req, specs = _one_input("BYTES", [1, 10**9], [-1])
+    req.raw_input_contents.append(b"\x00" * 8)
+    with pytest.raises(AserveError) as refused:
+        decode_infer_request(req, "m", specs, specs, 8, False, max_elements=1000)
+    assert refused.value.code is ErrorCode.TOO_LARGE
+    assert refused.value.message.startswith("input 'X' has 1000000000 elements (shape [1, ")
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "INT8", "BYTES", "BOOL", "UINT64"])
+def test_large_typed_contents_are_deferred_and_decode_exactly(datatype):
+    count = OFF_LOOP_ELEMENTS * 5 + 3  # several chunks
+    if datatype == "BYTES":
+        want = np.array([b"e%d" % i for i in range(count)], dtype=object)
+    else:
+        want = _array(datatype, np.random.default_rng(3), shape=(count,))
+    req, specs = _one_input(datatype, [1, count], [-1])
+    field = getattr(req.inputs[0].contents, CONTENTS_FIELD[datatype])
+    field.extend(want.tolist())
+    decoded = decode_infer_request(req, "m", specs, specs, 8, False, defer=True)
+    assert [name for name, _ in decoded.pending] == ["X"] and decoded.batch_size == 1
+    decoded.decode_pending()
+    got = decoded.inputs["X"]
+    assert got.shape == (1, count) and got.dtype == want.dtype
+    np.testing.assert_array_equal(got.ravel(), want)
+
+
+def test_large_typed_narrow_integers_out_of_range_are_refused_in_any_chunk():
+    count = OFF_LOOP_ELEMENTS * 5
+    req, specs = _one_input("INT8", [1, count], [-1])
+    values = [1] * count
+    values[-1] = 300
+    req.inputs[0].contents.int_contents.extend(values)
+    decoded = decode_infer_request(req, "m", specs, specs, 8, False, defer=True)
+    with pytest.raises(AserveError, match="outside INT8's range"):
+        decoded.decode_pending()
+
+
+def test_raw_bool_bytes_must_be_zero_or_one():
+    req, specs = _one_input("BOOL", [1, 3], [3])
+    req.raw_input_contents.append(b"\x00\x01\x07")
+    with pytest.raises(AserveError, match=r"BOOL raw_input_contents\[0\] byte 2 is 7"):
+        _decode(req, specs)

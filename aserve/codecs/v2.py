@@ -9,20 +9,21 @@ reaches a queue. Encoding honours ``binary_data`` per output and the request's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 import orjson
 
 from aserve.codecs.binary import tensor_to_bytes
-from aserve.codecs.datatypes import numpy_dtype
+from aserve.codecs.json_data import from_json
 from aserve.codecs.validate import (
-    add_input,
-    check_batch,
+    add_shape,
     check_input,
     check_output,
+    check_shapes,
     request_timeout,
     tensor_from_bytes,
 )
@@ -32,12 +33,26 @@ from aserve.errors import InvalidArgument
 _DUMPS_OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 
+# A request whose tensor data costs more than this to decode is decoded on a
+# worker thread (see DecodedRequest.pending): a BYTES tensor of more elements
+# than this, or a JSON body of more bytes (its data may be nested lists of any
+# shape, so the JSON size bounds the work, not the declared count).
+OFF_LOOP_ELEMENTS = 1 << 14
+OFF_LOOP_JSON_BYTES = 256 * 1024
+
+
 @dataclass(slots=True)
 class DecodedRequest:
     """A validated request, whichever wire format it came in.
 
     ``binary_default`` is the output encoding asked for when an output does
     not say: binary tensors over HTTP, raw contents over gRPC.
+
+    ``pending`` holds the decoding of tensor data that is too much work for
+    the loop, with everything about the request already checked but the data
+    itself: run :meth:`decode_pending` on a worker thread (its steps are short
+    numpy calls and Python loops, so the loop's thread gets the GIL between
+    them), then ``inputs`` is complete.
     """
 
     inputs: dict[str, np.ndarray]
@@ -49,6 +64,13 @@ class DecodedRequest:
     binary_default: bool
     timeout_s: float | None
     parameters: dict[str, Any] | None
+    pending: list[tuple[str, Callable[[], np.ndarray]]] = field(default_factory=list)
+
+    def decode_pending(self) -> None:
+        """Decode what ``pending`` holds into ``inputs`` (raises the data's errors)."""
+        for name, decode in self.pending:
+            self.inputs[name] = decode()
+        self.pending = []
 
 
 def decode_request(
@@ -59,8 +81,16 @@ def decode_request(
     output_specs: Mapping[str, TensorSpec],
     max_batch_size: int,
     variable_shapes: bool,
+    *,
+    max_elements: int | None = None,
+    defer: bool = False,
 ) -> DecodedRequest:
-    """Parse and validate one ``/infer`` body."""
+    """Parse and validate one ``/infer`` body.
+
+    ``max_elements`` is ``limits.max_tensor_elements``. With ``defer``, data
+    that is much work to decode is left in ``pending`` (see
+    :class:`DecodedRequest`); without it, everything is decoded here.
+    """
     binary: memoryview | None = None
     header: bytes | memoryview = body
     if header_length is not None:
@@ -100,26 +130,39 @@ def decode_request(
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise InvalidArgument("field 'inputs' must be a non-empty list of tensors")
+    shapes: dict[str, list[int]] = {}
     inputs: dict[str, np.ndarray] = {}
+    pending: list[tuple[str, Callable[[], np.ndarray]]] = []
+    heavy = defer and len(header) > OFF_LOOP_JSON_BYTES
     offset = 0
     for i, item in enumerate(raw_inputs):
-        arr, used = _decode_input(i, item, input_specs, binary, offset, model)
+        name, shape, decode, used, big = _decode_input(
+            i, item, input_specs, binary, offset, model, max_batch_size, max_elements
+        )
         offset += used
-        add_input(inputs, item["name"], arr)
+        add_shape(shapes, name, shape)
+        if heavy or (defer and big):
+            heavy = True  # this input and the rest wait for the worker thread
+            pending.append((name, decode))
+        else:
+            inputs[name] = decode()
     if binary is not None and offset != len(binary):
         raise InvalidArgument(
             f"binary data is {len(binary)} bytes but the inputs' binary_data_size "
             f"values add up to {offset}"
         )
-    batch_size, shape_key = check_batch(inputs, input_specs, model, max_batch_size, variable_shapes)
+    batch_size, shape_key = check_shapes(
+        shapes, input_specs, model, max_batch_size, variable_shapes
+    )
 
     outputs = None
     raw_outputs = doc.get("outputs")
     if raw_outputs is not None:
         outputs = _requested_outputs(raw_outputs, output_specs, model)
     return DecodedRequest(
-        inputs, batch_size, shape_key, client_id, outputs, binary_default, timeout_s, params
-    )
+        inputs, batch_size, shape_key, client_id, outputs, binary_default, timeout_s, params,
+        pending,
+    )  # fmt: skip
 
 
 def _request_parameters(params: Any) -> tuple[bool, float | None]:
@@ -138,8 +181,14 @@ def _decode_input(
     binary: memoryview | None,
     offset: int,
     model: str,
-) -> tuple[np.ndarray, int]:
-    """One input tensor; returns it and the binary bytes it consumed."""
+    max_batch_size: int,
+    max_elements: int | None,
+) -> tuple[str, list[int], Callable[[], np.ndarray], int, bool]:
+    """One input tensor's header, checked.
+
+    Returns its name, its shape, the function that decodes its data, the
+    binary bytes it consumed, and whether decoding it is much work.
+    """
     if not isinstance(item, dict):
         raise InvalidArgument(f"inputs[{index}] must be an object")
     name = item.get("name")
@@ -149,7 +198,10 @@ def _decode_input(
     if params is not None and not isinstance(params, dict):
         raise InvalidArgument(f"input '{name}': field 'parameters' must be an object")
     shape = item.get("shape")
-    spec, count = check_input(name, item.get("datatype"), shape, params, specs, model)
+    spec, count = check_input(
+        name, item.get("datatype"), shape, params, specs, model, max_batch_size, max_elements
+    )
+    datatype = spec.datatype
     size = params.get("binary_data_size") if params is not None else None
 
     if size is not None:
@@ -168,53 +220,23 @@ def _decode_input(
                 f"({len(binary) - offset} bytes left)"
             )
         chunk = binary[offset : offset + size]
-        return tensor_from_bytes(name, spec.datatype, shape, count, chunk, "binary_data_size"), size
+        big = count > OFF_LOOP_ELEMENTS and datatype in ("BYTES", "BOOL")
+        return (
+            name,
+            shape,
+            partial(tensor_from_bytes, name, datatype, shape, count, chunk, "binary_data_size"),
+            size,
+            big,
+        )
 
     data = item.get("data")
     if data is None:
         raise InvalidArgument(
             f"input '{name}' has no data: give 'data' or parameters.binary_data_size"
         )
-    return _from_json(name, spec.datatype, shape, count, data), 0
-
-
-def _from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
     if not isinstance(data, list):
         raise InvalidArgument(f"input '{name}': 'data' must be a list")
-    if datatype == "BYTES":
-        flat = list(_flatten(data))
-        if not all(isinstance(s, str) for s in flat):
-            raise InvalidArgument(f"input '{name}': BYTES data must be JSON strings")
-        arr = np.empty(len(flat), dtype=object)
-        arr[:] = [s.encode() for s in flat]
-    else:
-        try:
-            arr = np.array(data, dtype=numpy_dtype(datatype))
-        except (ValueError, TypeError, OverflowError) as exc:
-            raise InvalidArgument(
-                f"input '{name}': 'data' is not valid {datatype}: {exc}"
-            ) from None
-        if arr.dtype.kind == "O":
-            raise InvalidArgument(f"input '{name}': 'data' is not valid {datatype}")
-    if arr.size != count:
-        raise InvalidArgument(
-            f"input '{name}': 'data' has {arr.size} elements, shape {shape} needs {count}"
-        )
-    return arr.reshape(shape)
-
-
-def _flatten(items: Iterable[Any]) -> Iterable[Any]:
-    """The leaves of nested lists, in order. A loop, not recursion: JSON may nest
-    lists a thousand deep (orjson's limit), past Python's recursion limit."""
-    stack = [iter(items)]
-    while stack:
-        for x in stack[-1]:
-            if isinstance(x, list):
-                stack.append(iter(x))
-                break
-            yield x
-        else:
-            stack.pop()
+    return name, shape, partial(from_json, name, datatype, shape, count, data), 0, False
 
 
 def _requested_outputs(

@@ -10,20 +10,21 @@ both frontends refuse the same requests with the same messages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, Final
 
 import numpy as np
 
 from aserve._proto import grpc_service_pb2 as pb
-from aserve.codecs.binary import tensor_to_bytes
+from aserve.codecs.binary import CHUNK, tensor_to_bytes
 from aserve.codecs.datatypes import numpy_dtype
-from aserve.codecs.v2 import DecodedRequest
+from aserve.codecs.v2 import OFF_LOOP_ELEMENTS, DecodedRequest
 from aserve.codecs.validate import (
-    add_input,
-    check_batch,
+    add_shape,
     check_input,
     check_output,
+    check_shapes,
     request_timeout,
     tensor_from_bytes,
 )
@@ -69,8 +70,15 @@ def decode_infer_request(
     output_specs: Mapping[str, TensorSpec],
     max_batch_size: int,
     variable_shapes: bool,
+    *,
+    max_elements: int | None = None,
+    defer: bool = False,
 ) -> DecodedRequest:
-    """Validate one ModelInferRequest; ``binary_default`` says it came raw."""
+    """Validate one ModelInferRequest; ``binary_default`` says it came raw.
+
+    ``max_elements`` and ``defer`` as for :func:`aserve.codecs.v2.decode_request`:
+    with ``defer``, tensors of many elements are left in ``pending``.
+    """
     params = parameters_dict(msg.parameters) if msg.parameters else None
     timeout_s = request_timeout(params) if params else None
     if not msg.inputs:
@@ -81,26 +89,43 @@ def decode_infer_request(
             f"raw_input_contents has {len(raw)} entries but the request has "
             f"{len(msg.inputs)} inputs; give one per input, in order"
         )
+    shapes: dict[str, list[int]] = {}
     inputs: dict[str, np.ndarray] = {}
+    pending: list[tuple[str, Callable[[], np.ndarray]]] = []
+    heavy = False
     for i, tensor in enumerate(msg.inputs):
         name = tensor.name
         tensor_params = parameters_dict(tensor.parameters) if tensor.parameters else None
         shape = list(tensor.shape)
-        spec, count = check_input(name, tensor.datatype, shape, tensor_params, input_specs, model)
+        spec, count = check_input(
+            name, tensor.datatype, shape, tensor_params, input_specs, model, max_batch_size,
+            max_elements,
+        )  # fmt: skip
+        job: Callable[[], np.ndarray]
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidArgument(
                     f"input '{name}' sets contents while the request uses raw_input_contents; "
                     "use one or the other for every input"
                 )
-            arr = tensor_from_bytes(
-                name, spec.datatype, shape, count, raw[i], f"raw_input_contents[{i}]"
-            )
+            job = partial(
+                tensor_from_bytes, name, spec.datatype, shape, count, raw[i],
+                f"raw_input_contents[{i}]",
+            )  # fmt: skip
+            big = count > OFF_LOOP_ELEMENTS and spec.datatype in ("BYTES", "BOOL")
         else:
             contents = tensor.contents if tensor.HasField("contents") else None
-            arr = _from_contents(name, spec.datatype, shape, count, contents)
-        add_input(inputs, name, arr)
-    batch_size, shape_key = check_batch(inputs, input_specs, model, max_batch_size, variable_shapes)
+            job = _contents_job(name, spec.datatype, shape, count, contents)
+            big = count > OFF_LOOP_ELEMENTS
+        add_shape(shapes, name, shape)
+        if heavy or (defer and big):
+            heavy = True  # this input and the rest wait for the worker thread
+            pending.append((name, job))
+        else:
+            inputs[name] = job()
+    batch_size, shape_key = check_shapes(
+        shapes, input_specs, model, max_batch_size, variable_shapes
+    )
     outputs = None
     if msg.outputs:
         outputs = []
@@ -109,13 +134,15 @@ def decode_infer_request(
             check_output(out.name, out_params, output_specs, model)
             outputs.append((out.name, None))
     return DecodedRequest(
-        inputs, batch_size, shape_key, msg.id or None, outputs, bool(raw), timeout_s, params
-    )
+        inputs, batch_size, shape_key, msg.id or None, outputs, bool(raw), timeout_s, params,
+        pending,
+    )  # fmt: skip
 
 
-def _from_contents(
+def _contents_job(
     name: str, datatype: str, shape: list[int], count: int, contents: pb.InferTensorContents | None
-) -> np.ndarray:
+) -> Callable[[], np.ndarray]:
+    """Check typed contents against the shape now (cheap); returns what converts them."""
     field = CONTENTS_FIELD.get(datatype)
     if field is None:
         raise InvalidArgument(
@@ -123,7 +150,7 @@ def _from_contents(
         )
     if contents is None:
         if count == 0:
-            return np.empty(shape, dtype=numpy_dtype(datatype))
+            return partial(np.empty, shape, dtype=numpy_dtype(datatype))
         raise InvalidArgument(
             f"input '{name}' has no data: set contents.{field} or raw_input_contents"
         )
@@ -137,12 +164,25 @@ def _from_contents(
         raise InvalidArgument(
             f"input '{name}': contents.{field} has {len(values)} elements, shape {shape} needs {count}"
         )
+    return partial(_from_contents, name, datatype, shape, count, field, values)
+
+
+def _from_contents(
+    name: str, datatype: str, shape: list[int], count: int, field: str, values: Any
+) -> np.ndarray:
+    """Convert typed contents, a chunk at a time (large ones run on a worker thread)."""
+    dtype = numpy_dtype(datatype)
     if datatype == "BYTES":
         arr = np.empty(count, dtype=object)
-        arr[:] = list(values)
+        for i in range(0, count, CHUNK):
+            arr[i : i + CHUNK] = list(values[i : i + CHUNK])
         return arr.reshape(shape)
-    dtype = numpy_dtype(datatype)
-    wide = np.array(values, dtype=_WIRE_DTYPE.get(field, dtype))
+    wide = np.empty(count, dtype=_WIRE_DTYPE.get(field, dtype))
+    if count <= CHUNK:
+        wide[:] = values
+    else:
+        for i in range(0, count, CHUNK):
+            wide[i : i + CHUNK] = values[i : i + CHUNK]
     if wide.dtype != dtype:
         info = np.iinfo(dtype)
         if count and (wide.min() < info.min or wide.max() > info.max):

@@ -8,16 +8,20 @@ that name what was wrong live here once. Every failure raises an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from math import prod
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from aserve.codecs.binary import bytes_elements
-from aserve.codecs.datatypes import numpy_dtype
+from aserve.codecs.datatypes import DATATYPES, numpy_dtype
 from aserve.config import TensorSpec
-from aserve.errors import InvalidArgument, TooLarge, Unimplemented
+from aserve.errors import InvalidArgument, TooLarge, Unavailable, Unimplemented
+
+# numpy (and every engine) counts in int64: a dimension, and the product of a
+# shape's dimensions times the element size, must stay below this.
+INT64_MAX = 2**63 - 1
+_ITEMSIZE = {t: numpy_dtype(t).itemsize for t in DATATYPES}
 
 
 def check_input(
@@ -27,10 +31,15 @@ def check_input(
     params: Mapping[str, Any] | None,
     specs: Mapping[str, TensorSpec],
     model: str,
+    max_batch_size: int,
+    max_elements: int | None,
 ) -> tuple[TensorSpec, int]:
     """Validate one input's header against the model; returns its spec and element count.
 
-    ``shape`` includes the batch dimension.
+    ``shape`` includes the batch dimension. Everything is checked from what the
+    request declares, before any data is decoded: the cost of decoding is
+    bounded here (``max_elements``: ``limits.max_tensor_elements``, None for
+    no limit; the wire formats bound the rest, see :func:`tensor_from_bytes`).
     """
     spec = specs.get(name)
     if spec is None:
@@ -41,34 +50,71 @@ def check_input(
         raise InvalidArgument(
             f"input '{name}': datatype {datatype!r} does not match the model's {spec.datatype}"
         )
-    if not _shape_fits(shape, spec.shape):
+    count = _element_count(name, shape, spec)
+    if shape[0] > max_batch_size:
         raise InvalidArgument(
-            f"input '{name}': shape {shape!r} does not match the model's "
-            f"[batch, {', '.join(map(str, spec.shape))}]"
-            + (" (-1: any size)" if -1 in spec.shape else "")
+            f"input '{name}': batch size {shape[0]} exceeds max_batch_size {max_batch_size} "
+            f"of model '{model}'"
+        )
+    if max_elements is not None and count > max_elements:
+        raise TooLarge(
+            f"input '{name}' has {count} elements (shape {shape}), over the "
+            f"limit limits.max_tensor_elements {max_elements}"
         )
     if params is not None and "shared_memory_region" in params:
         raise Unimplemented(f"input '{name}': shared memory is not supported")
-    return spec, prod(shape)
+    return spec, count
 
 
-def _shape_fits(shape: Any, want: list[int]) -> bool:
-    """``shape`` is [batch, *want] of non-negative ints (-1 in ``want``: any size).
+def _element_count(name: str, shape: Any, spec: TensorSpec) -> int:
+    """The element count of ``shape``: [batch, *spec.shape] (-1 there: any size).
 
     Plain loops, not all()/any() over generators: this runs for every input
     of every request, and the generators cost more than the checks.
     """
+    want = spec.shape
     if type(shape) is not list or len(shape) != len(want) + 1:
-        return False
+        raise _shape_mismatch(name, shape, want)
+    count = 1
     for d in shape:
         if type(d) is not int or d < 0:  # not bool, not float: exactly int
-            return False
+            raise _shape_dimension(name, shape, want)
+        count *= d
     i = 1
     for w in want:
         if w != -1 and w != shape[i]:
-            return False
+            raise _shape_mismatch(name, shape, want)
         i += 1
-    return True
+    # numpy must be able to index the shape, zero-sized or not: the product of
+    # its non-zero dimensions, in bytes, within int64 (a dimension too, then).
+    span = count
+    if not count:
+        span = 1
+        for d in shape:
+            span *= d or 1
+    if span * _ITEMSIZE[spec.datatype] > INT64_MAX:
+        raise InvalidArgument(
+            f"input '{name}': shape {shape} is too large for a tensor (its dimensions "
+            f"multiply past {INT64_MAX} bytes of {spec.datatype})"
+        )
+    return count
+
+
+def _shape_dimension(name: str, shape: Any, want: list[int]) -> InvalidArgument:
+    for i, d in enumerate(shape):
+        if type(d) is int and d < 0:
+            return InvalidArgument(
+                f"input '{name}': dimension {i} of shape {shape} is {d}; dimensions must "
+                "not be negative"
+            )
+    return _shape_mismatch(name, shape, want)
+
+
+def _shape_mismatch(name: str, shape: Any, want: list[int]) -> InvalidArgument:
+    return InvalidArgument(
+        f"input '{name}': shape {shape!r} does not match the model's "
+        f"[batch, {', '.join(map(str, want))}]" + (" (-1: any size)" if -1 in want else "")
+    )
 
 
 def tensor_from_bytes(
@@ -78,7 +124,9 @@ def tensor_from_bytes(
 
     ``source`` names where the bytes came from, for messages
     (``binary_data_size``, ``raw_input_contents[1]``). Numeric tensors are
-    zero-copy, read-only views of ``chunk``.
+    zero-copy, read-only views of ``chunk``. The bytes bound the count: a
+    number takes its width, a BYTES element at least its 4-byte length, both
+    checked before anything is allocated.
     """
     if datatype == "BYTES":
         try:
@@ -92,15 +140,20 @@ def tensor_from_bytes(
             f"input '{name}': {source} is {len(chunk)} bytes, but shape {shape} of "
             f"{datatype} needs {want}"
         )
+    if datatype == "BOOL":
+        bad = np.flatnonzero(np.frombuffer(chunk, np.uint8) > 1)
+        if bad.size:  # numpy would take any non-zero byte as a bool it cannot print or compare
+            raise InvalidArgument(
+                f"input '{name}': BOOL {source} byte {bad[0]} is {chunk[bad[0]]}; "
+                "BOOL bytes must be 0 or 1"
+            )
     return np.frombuffer(chunk, dtype=dtype.newbyteorder("<")).reshape(shape)
 
 
-def add_input(inputs: dict[str, np.ndarray], name: str, arr: np.ndarray) -> None:
-    if name in inputs:
+def add_shape(shapes: dict[str, list[int]], name: str, shape: list[int]) -> None:
+    if name in shapes:
         raise InvalidArgument(f"input '{name}' is given more than once")
-    if arr.ndim == 0:
-        raise InvalidArgument(f"input '{name}': a tensor needs a batch dimension")
-    inputs[name] = arr
+    shapes[name] = shape
 
 
 def check_batch(
@@ -110,21 +163,35 @@ def check_batch(
     max_batch_size: int,
     variable_shapes: bool,
 ) -> tuple[int, tuple[Any, ...]]:
-    """Every input given, one batch size within the model's limit.
+    """Every input given, one batch size within the model's limit (for tensors).
 
     Returns the batch size and the shape key that groups requests which can
     share a batch (only models with variable dimensions need one).
     """
-    if len(inputs) != len(specs):
-        missing = [n for n in specs if n not in inputs]
+    shapes = {name: arr.shape for name, arr in inputs.items()}
+    return check_shapes(shapes, specs, model, max_batch_size, variable_shapes)
+
+
+def check_shapes(
+    shapes: Mapping[str, Sequence[int]],
+    specs: Mapping[str, TensorSpec],
+    model: str,
+    max_batch_size: int,
+    variable_shapes: bool,
+) -> tuple[int, tuple[Any, ...]]:
+    """:func:`check_batch` from the shapes alone: a request is checked before its data is decoded."""
+    if len(shapes) != len(specs):
+        missing = [n for n in specs if n not in shapes]
         raise InvalidArgument(f"missing input(s) {', '.join(missing)} for model '{model}'")
     batch_size = -1
-    for name, arr in inputs.items():
+    for name, shape in shapes.items():
+        if not len(shape):
+            raise InvalidArgument(f"input '{name}': a tensor needs a batch dimension")
         if batch_size == -1:
-            batch_size = arr.shape[0]
-        elif arr.shape[0] != batch_size:
+            batch_size = shape[0]
+        elif shape[0] != batch_size:
             raise InvalidArgument(
-                f"input '{name}' has batch size {arr.shape[0]}, other inputs have {batch_size}"
+                f"input '{name}' has batch size {shape[0]}, other inputs have {batch_size}"
             )
     if batch_size < 1:
         raise InvalidArgument("the batch dimension (first of 'shape') must be at least 1")
@@ -132,20 +199,27 @@ def check_batch(
         raise InvalidArgument(
             f"batch size {batch_size} exceeds max_batch_size {max_batch_size} of model '{model}'"
         )
-    shape_key = tuple(a.shape[1:] for a in inputs.values()) if variable_shapes else ()
+    shape_key = tuple(tuple(s[1:]) for s in shapes.values()) if variable_shapes else ()
     return batch_size, shape_key
 
 
-def check_elements(inputs: Mapping[str, np.ndarray], limit: int | None) -> None:
-    """Every input within ``limits.max_tensor_elements`` (None: no limit)."""
-    if limit is None:
-        return
-    for name, arr in inputs.items():
-        if arr.size > limit:
-            raise TooLarge(
-                f"input '{name}' has {arr.size} elements (shape {list(arr.shape)}), over the "
-                f"limit limits.max_tensor_elements {limit}"
-            )
+def same_io(before: Any, now: Any) -> Any:
+    """The runtime ``now`` routes to, when a request decoded against ``before`` fits it.
+
+    A request whose data was decoded off the loop looks routing up again
+    (a reload may have swapped the runtime meanwhile); a runtime with other
+    inputs or batching cannot take what was decoded.
+    """
+    if now is not before and (
+        now.input_specs != before.input_specs
+        or now.output_specs != before.output_specs
+        or now.max_batch_size != before.max_batch_size
+    ):
+        raise Unavailable(
+            f"model '{now.name}' was reloaded with other inputs or outputs while the "
+            "request was decoded; retry"
+        )
+    return now
 
 
 def check_output(

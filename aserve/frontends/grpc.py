@@ -34,7 +34,7 @@ from aserve._proto import aserve_pb2_grpc, model_config_pb2
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
-from aserve.codecs.validate import check_elements
+from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, ErrorCode, InternalError, QueueFull
 from aserve.frontends.auth import GrpcAuthInterceptor, grpc_server_credentials
 from aserve.frontends.grpc_generate import SERVICE_NAME as GENERATION_SERVICE
@@ -185,8 +185,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             runtime.output_specs,
             runtime.max_batch_size,
             runtime.variable_shapes,
+            max_elements=self._server.config.limits.max_tensor_elements,
+            defer=True,
         )
-        check_elements(decoded.inputs, self._server.config.limits.max_tensor_elements)
+        if decoded.pending:  # much data: decoded on a thread, then routing is looked up again
+            await asyncio.to_thread(decoded.decode_pending)
+            runtime = same_io(runtime, self._runtime(request.model_name, request.model_version))
         timeout = decoded.timeout_s
         if deadline_s is not None:
             # Past the call's deadline nobody waits for the answer.

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from aserve import __version__
 from aserve.codecs.v2 import decode_request, encode_response
-from aserve.codecs.validate import check_elements
+from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
 from aserve.frontends.auth import http_middleware, server_ssl_context
 from aserve.frontends.http_limits import limit_connections
@@ -44,6 +44,9 @@ _INFLATE_WBITS = {
     "x-gzip": 16 + zlib.MAX_WBITS,
     "deflate": zlib.MAX_WBITS,
 }
+# Deflate inflates at most ~1032x: a body past a kilobyte may inflate to megabytes
+# (up to max_request_bytes), so it is inflated on a thread (zlib releases the GIL).
+_INFLATE_ON_LOOP_BYTES = 1024
 MAX_BODY_KEY = web.AppKey("aserve_max_request_bytes", int)
 
 
@@ -234,7 +237,8 @@ class HttpFrontend:
                 f"request body is {length} bytes, over the limit max_request_bytes {self._max_body}"
             )
         body = await read_body(request)
-        # Routing is looked up only now, with no await from here to the submit:
+        # Routing is looked up only now, with no await from here to the submit
+        # (but the decoding of large tensors, after which it is looked up again):
         # a runtime a reload takes out of routing is drained once its queue is
         # empty, so a request must not hold one across an await before queueing.
         runtime = self._runtime(request)
@@ -248,8 +252,13 @@ class HttpFrontend:
             runtime.output_specs,
             runtime.max_batch_size,
             runtime.variable_shapes,
+            max_elements=self._max_elements,
+            defer=True,
         )
-        check_elements(decoded.inputs, self._max_elements)
+        if decoded.pending:  # much data: decoded on a thread, then routing is looked up again
+            await asyncio.to_thread(decoded.decode_pending)
+            runtime = same_io(runtime, self._runtime(request))
+            request[RUNTIME_KEY] = runtime
         timeout = decoded.timeout_s
         header_timeout = headers.get(TIMEOUT_HEADER)
         if header_timeout is not None:
@@ -301,7 +310,7 @@ async def read_body(request: web.Request) -> bytes:
             f"request Content-Encoding '{encoding}' is not supported (gzip, deflate, identity)"
         )
     limit = request.app[MAX_BODY_KEY]
-    if len(raw) > _COMPRESS_OVER_BYTES:
+    if len(raw) > _INFLATE_ON_LOOP_BYTES:
         return await asyncio.to_thread(_inflate, raw, encoding, limit)
     return _inflate(raw, encoding, limit)
 
