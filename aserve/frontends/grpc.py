@@ -42,6 +42,7 @@ from aserve.frontends.grpc_generate import GenerationServicer, answer_decoupled
 from aserve.frontends.grpc_health import REFLECTED_SERVICES, Health, reflection_pool
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
+from aserve.loop.deadline import request_timeout_s
 from aserve.loop.generation import GenerationRuntime
 from aserve.metrics import OK
 
@@ -92,6 +93,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, server: Server, frontend: GrpcFrontend) -> None:
         self._server = server
         self._frontend = frontend
+        self._max_timeout_s = server.config.limits.max_timeout_ms / 1e3
 
     def _runtime(self, name: str, version: str) -> ModelRuntime:
         return self._server.registry.get(name, version or None)
@@ -187,15 +189,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             runtime.variable_shapes,
         )
         check_elements(decoded.inputs, self._server.config.limits.max_tensor_elements)
-        timeout = decoded.timeout_s
-        if deadline_s is not None:
-            # Past the call's deadline nobody waits for the answer.
-            timeout = deadline_s if timeout is None else min(timeout, deadline_s)
+        # Past the call's deadline nobody waits for the answer.
+        timeout = request_timeout_s(
+            (decoded.timeout_s, deadline_s), runtime.default_timeout_s, self._max_timeout_s
+        )
         outputs = await runtime.infer(
             decoded.inputs,
             decoded.batch_size,
             decoded.shape_key,
-            runtime.default_timeout_s if timeout is None else timeout,
+            timeout,
             decoded.client_id,
             decoded.parameters,
         )
@@ -319,8 +321,9 @@ class _Stream:
             with server.admission:  # each request of the stream counts
                 if isinstance(runtime, GenerationRuntime):
                     status = await answer_decoupled(
-                        self, runtime, request, self._context.time_remaining()
-                    )
+                        self, runtime, request, self._context.time_remaining(),
+                        self._servicer._max_timeout_s,
+                    )  # fmt: skip
                     record(runtime, "grpc", status, started)
                     return
                 response = await self._servicer._infer(request, self._context.time_remaining())

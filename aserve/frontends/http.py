@@ -27,6 +27,7 @@ from aserve.frontends.http_limits import limit_connections
 from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, inference_route
 from aserve.frontends.openapi import add_openapi_route
 from aserve.frontends.status import HTTP_STATUS
+from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
 
 if TYPE_CHECKING:
     from aserve.loop.model import ModelRuntime
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aserve.http")
 
-TIMEOUT_HEADER = "aserve-timeout-ms"
 IHCL = "Inference-Header-Content-Length"
 _JSON = "application/json"
 _COMPRESS_OVER_BYTES = 64 * 1024  # larger bodies are compressed off the loop
@@ -45,6 +45,7 @@ _INFLATE_WBITS = {
     "deflate": zlib.MAX_WBITS,
 }
 MAX_BODY_KEY = web.AppKey("aserve_max_request_bytes", int)
+MAX_TIMEOUT_KEY = web.AppKey("aserve_max_timeout_s", float)  # limits.max_timeout_ms, in s
 
 
 def error_response(error: AserveError) -> web.Response:
@@ -71,12 +72,14 @@ class HttpFrontend:
         cfg = server.config
         self._max_body = cfg.limits.max_request_bytes
         self._max_elements = cfg.limits.max_tensor_elements
+        self._max_timeout_s = cfg.limits.max_timeout_ms / 1e3
         middlewares = []
         if server.api_keys is not None:
             assert cfg.auth is not None
             middlewares.append(http_middleware(server.api_keys, cfg.auth.open_paths))
         self._app = web.Application(client_max_size=self._max_body, middlewares=middlewares)
         self._app[MAX_BODY_KEY] = self._max_body
+        self._app[MAX_TIMEOUT_KEY] = self._max_timeout_s
         self._add_routes()
         self._runner = web.AppRunner(
             self._app,
@@ -251,15 +254,16 @@ class HttpFrontend:
             runtime.variable_shapes,
         )
         check_elements(decoded.inputs, self._max_elements)
-        timeout = decoded.timeout_s
-        header_timeout = headers.get(TIMEOUT_HEADER)
-        if header_timeout is not None:
-            timeout = _header_timeout(header_timeout)
+        timeout = request_timeout_s(
+            (header_timeout_s(headers.get(TIMEOUT_HEADER)), decoded.timeout_s),
+            runtime.default_timeout_s,
+            self._max_timeout_s,
+        )
         outputs = await runtime.infer(
             decoded.inputs,
             decoded.batch_size,
             decoded.shape_key,
-            timeout if timeout is not None else runtime.default_timeout_s,
+            timeout,
             decoded.client_id,
             decoded.parameters,
         )
@@ -321,16 +325,6 @@ def _inflate(raw: bytes, encoding: str, limit: int) -> bytes:
     if not inflater.eof:
         raise InvalidArgument(f"request body cannot be read as {encoding}: it ends early")
     return body
-
-
-def _header_timeout(value: str) -> float:
-    try:
-        ms = float(value)
-    except ValueError:
-        ms = -1.0
-    if not ms > 0:
-        raise InvalidArgument(f"header {TIMEOUT_HEADER}: '{value}' must be a positive number of ms")
-    return ms / 1e3
 
 
 def _response_encoding(accept: str | None) -> str | None:
