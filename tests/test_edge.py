@@ -4,11 +4,17 @@ request, credentials that are not text, and what that costs in the log."""
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import resource
 import socket
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import orjson
 import pytest
@@ -141,3 +147,212 @@ def test_grpc_bad_authorization_metadata_is_unauthenticated(keyed: ServerProcess
     before = len(keyed.log_text())
     asyncio.run(calls())
     assert "Traceback" not in keyed.log_text()[before:]
+
+
+# --- connections that hold without asking -------------------------------------------
+
+
+def _edge_server(model_dir: Path, folder: Path, http: dict, limits: dict) -> ServerProcess:
+    config = {"http": http, "limits": limits, "grpc": {"port": 0}, "models": [_affine(model_dir)]}
+    return start_server(write_config(folder, config))
+
+
+@pytest.fixture(scope="module")
+def short_timeouts(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    srv = _edge_server(
+        model_dir, tmp_path_factory.mktemp("edge-timeouts"),
+        {"header_timeout_s": 1.0, "keepalive_timeout_s": 1.5},
+        {"max_connections": 4},
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def _open_idle(port: int, n: int, send: bytes = b"") -> list[socket.socket]:
+    socks = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if send:
+            sock.sendall(send)
+        socks.append(sock)
+    return socks
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """True once the server closes ``sock`` (EOF or reset) within ``within_s``;
+    what it sends before (gRPC's settings frame) is read and dropped."""
+    deadline = time.monotonic() + within_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv(65536) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        pass
+    return False
+
+
+async def _keyed_infers(base: str, n: int) -> list[int]:
+    """``n`` requests, each on a fresh connection (a new client's first request)."""
+    statuses = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        for _ in range(n):
+            async with s.post(base + INFER, json=BODY) as r:
+                await r.read()
+                statuses.append(r.status)
+    return statuses
+
+
+PARTIAL_HEADS = [b"", b"POST /v2/mod", b"POST /v2/models/affine/infer HTTP/1.1\r\nHost: x\r\n"]
+
+
+def test_sockets_without_a_complete_head_neither_count_nor_stay(
+    short_timeouts: ServerProcess,
+) -> None:
+    srv = short_timeouts
+    # 30 sockets, 7 times limits.max_connections, that never finish a head.
+    socks = [s for head in PARTIAL_HEADS for s in _open_idle(srv.port, 10, head)]
+    try:
+
+        async def meanwhile() -> list[int]:
+            async with watch_loop(srv.base):
+                return await _keyed_infers(srv.base, 20)
+
+        # Before the fix, every one of these was answered 429 while the sockets were held.
+        assert asyncio.run(meanwhile()) == [200] * 20
+        # header_timeout_s is 1 s; the bound here is a loose watchdog.
+        still_open = [s for s in socks if not _closed_by_server(s, 20)]
+        assert not still_open, f"{len(still_open)} of {len(socks)} sockets were never closed"
+    finally:
+        for s in socks:
+            s.close()
+    text = urllib.request.urlopen(srv.base + "/metrics", timeout=10).read().decode()
+    assert 'reason="header_timeout"' in text
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(
+    short_timeouts: ServerProcess,
+) -> None:
+    head = f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+    body = orjson.dumps(BODY)
+    with socket.create_connection(("127.0.0.1", short_timeouts.port), timeout=10) as sock:
+        sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            answer += sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert b"Connection: close" not in answer  # kept alive ...
+        assert _closed_by_server(sock, 20), "an idle connection was kept past the timeout"
+
+
+@pytest.fixture(scope="module")
+def few_pending(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    srv = _edge_server(
+        model_dir, tmp_path_factory.mktemp("edge-pending"),
+        {"header_timeout_s": 300.0}, {"max_pending_connections": 8},
+    )  # fmt: skip
+    yield srv
+    srv.stop()
+
+
+def test_pending_connections_have_a_bound_of_their_own(few_pending: ServerProcess) -> None:
+    srv = few_pending
+    socks = _open_idle(srv.port, 40)
+    try:
+        # The server closes the oldest beyond 8; the header timeout (300 s) is no help here.
+        closed = [s for s in socks[:32] if _closed_by_server(s, 20)]
+        assert len(closed) == 32
+        assert asyncio.run(_keyed_infers(srv.base, 10)) == [200] * 10
+    finally:
+        for s in socks:
+            s.close()
+
+
+# --- file descriptors -----------------------------------------------------------------
+
+
+def _nofile_env(folder: Path, soft: int, hard: int | None = None) -> dict[str, str]:
+    """Environment that starts the server with RLIMIT_NOFILE (soft, hard), as a
+    system with a low default does: a sitecustomize sets it before aserve runs."""
+    hard_text = "hard" if hard is None else str(hard)
+    (folder / "sitecustomize.py").write_text(
+        "import resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard_text}))\n"
+    )
+    return {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one_at_start(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip("the hard open file limit here leaves nothing to raise")
+    config = {"models": [_affine(model_dir)]}
+    srv = start_server(write_config(tmp_path, config), extra_env=_nofile_env(tmp_path, 256))
+    try:
+        assert re.search(
+            r"raised the open file limit \(RLIMIT_NOFILE\) from 256 to \d+", srv.log_text()
+        ), srv.log_text()
+    finally:
+        srv.stop()
+
+
+def test_running_out_of_descriptors_is_logged_once_and_the_server_recovers(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    limit = 200
+    config = {
+        "http": {"header_timeout_s": 300.0},
+        "limits": {"max_pending_connections": 10_000},
+        "models": [_affine(model_dir)],
+    }
+    env = _nofile_env(tmp_path, limit, limit)
+    srv = start_server(write_config(tmp_path, config), extra_env=env)
+    try:
+        before = len(srv.log_text())
+        socks = _open_idle(srv.port, limit + 50)  # the OS resets those past the limit
+        try:
+            deadline = time.monotonic() + 20
+            while "near the open file limit" not in srv.log_text()[before:]:
+                assert time.monotonic() < deadline, srv.log_text()[before:]
+                time.sleep(0.05)
+        finally:
+            for s in socks:
+                s.close()
+        # Once the sockets are gone, the server answers again.
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                statuses = asyncio.run(_keyed_infers(srv.base, 1))
+                break
+            except aiohttp.ClientError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert statuses == [200]
+        log = srv.log_text()[before:]
+        assert log.count("near the open file limit") == 1, log
+        assert "Traceback" not in log, log
+    finally:
+        srv.stop()
+
+
+def test_grpc_closes_a_connection_that_never_starts_http2(short_timeouts: ServerProcess) -> None:
+    port = short_timeouts.grpc_port
+    assert port is not None
+    socks = _open_idle(port, 5) + _open_idle(port, 5, b"PRI * HTTP/2.0\r\n")
+    try:
+        # grpc's server_handshake_timeout_ms is http.header_timeout_s (1 s here);
+        # its own default is 120 s. The bound is a loose watchdog.
+        still_open = [s for s in socks if not _closed_by_server(s, 20)]
+        assert not still_open, f"{len(still_open)} of {len(socks)} were never closed"
+    finally:
+        for s in socks:
+            s.close()

@@ -59,6 +59,30 @@ STREAM_MAX_IN_FLIGHT: Final = 1024
 _FINAL = "triton_final_response"
 _EMPTY_FINAL = "triton_enable_empty_final_response"
 
+# What a gRPC connection may hold (see the README's "gRPC" section): one that
+# has not finished its handshake (HTTP/2 preface and settings, TLS) within
+# http.header_timeout_s is closed, as over HTTP; one without calls for
+# _IDLE_MS is sent GOAWAY (clients reconnect by themselves); a peer that
+# vanished is found by keepalive pings (_PING_MS, answered within
+# _PING_TIMEOUT_MS) even under an open stream. grpc's defaults already
+# answer clients that ping too often with GOAWAY.
+_IDLE_MS: Final = 300_000
+_PING_MS: Final = 120_000
+_PING_TIMEOUT_MS: Final = 20_000
+# Calls one connection may have open at once: more wait on the client.
+_MAX_STREAMS: Final = 1024
+
+
+def _connection_options(handshake_timeout_s: float) -> list[tuple[str, int]]:
+    return [
+        ("grpc.server_handshake_timeout_ms", max(1, int(handshake_timeout_s * 1e3))),
+        ("grpc.max_connection_idle_ms", _IDLE_MS),
+        ("grpc.keepalive_time_ms", _PING_MS),
+        ("grpc.keepalive_timeout_ms", _PING_TIMEOUT_MS),
+        ("grpc.max_concurrent_streams", _MAX_STREAMS),
+    ]
+
+
 _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
 _Handler = Callable[[Any, _Request, grpc.aio.ServicerContext], Awaitable[_Response]]
@@ -403,6 +427,7 @@ class GrpcFrontend:
                 # grpc's default SO_REUSEPORT would let a second server bind
                 # the same port and silently share its traffic.
                 ("grpc.so_reuseport", 0),
+                *_connection_options(config.http.header_timeout_s),
             ],
         )
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(

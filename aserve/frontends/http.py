@@ -23,11 +23,12 @@ from aserve.codecs.v2 import decode_request, encode_response
 from aserve.codecs.validate import check_elements
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
 from aserve.frontends.auth import http_middleware, server_ssl_context
-from aserve.frontends.http_limits import limit_connections
+from aserve.frontends.http_limits import ConnectionGuard, accept_error_handler
 from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, inference_route
 from aserve.frontends.openapi import add_openapi_route
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
+from aserve.loop.fd_limit import fds_in_use, open_file_limit
 
 if TYPE_CHECKING:
     from aserve.loop.model import ModelRuntime
@@ -88,8 +89,12 @@ class HttpFrontend:
             handler_cancellation=True,  # a client that goes away cancels its handler
             shutdown_timeout=cfg.drain_timeout_s,
             auto_decompress=False,  # read_body inflates: errors answer JSON, the limit holds
+            # An idle connection is closed after this; a connection that has not
+            # sent its first request yet, much sooner (ConnectionGuard).
+            keepalive_timeout=cfg.http.keepalive_timeout_s,
         )
         self._site: web.TCPSite | None = None
+        self.connections: ConnectionGuard | None = None
         self.inflight = 0
         self.addresses: list[tuple[str, int]] = []
 
@@ -98,9 +103,19 @@ class HttpFrontend:
     async def start(self) -> None:
         cfg = self._server.config.http
         await self._runner.setup()
-        limit = self._server.config.limits.max_connections
-        if limit is not None:
-            limit_connections(self._runner.server, limit, self._server.metrics.requests.rejected)
+        limits = self._server.config.limits
+        self.connections = ConnectionGuard(
+            header_timeout_s=cfg.header_timeout_s,
+            max_pending=limits.max_pending_connections,
+            max_serving=limits.max_connections,
+            rejected=self._server.metrics.requests.rejected,
+            fd_limit=open_file_limit(),
+            fds_in_use=fds_in_use(),
+        )
+        assert self._runner.server is not None
+        self.connections.install(self._runner.server)
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(accept_error_handler(loop.get_exception_handler()))
         tls = self._server.config.tls
         ssl_context = None if tls is None else server_ssl_context(tls, self._server.base_dir)
         self._site = web.TCPSite(
