@@ -108,6 +108,26 @@ def test_a_non_utf8_authorization_is_401_and_costs_at_most_a_log_line(
     assert len(log.splitlines()) <= 3, log[:3000]
 
 
+def test_without_a_key_a_client_holds_no_connection_past_its_answer(
+    keyed: ServerProcess,
+) -> None:
+    """Else unauthenticated clients could fill limits.max_connections by
+    polling an open path (health) on kept-alive connections."""
+    for path, auth, kept in [
+        ("/v2/health/live", b"", False),
+        (INFER, b"", False),  # 401
+        ("/v2/health/live", f"Authorization: Bearer {KEY}\r\n".encode(), True),
+    ]:
+        with socket.create_connection(("127.0.0.1", keyed.port), timeout=10) as sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode() + auth + b"\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += sock.recv(65536)
+            assert (b"Connection: close" not in head) is kept, (path, head)
+            if not kept:
+                assert _closed_by_server(sock, 20), path
+
+
 @pytest.mark.parametrize(
     ("header", "words"),
     [
@@ -305,38 +325,71 @@ def test_the_soft_open_file_limit_is_raised_to_the_hard_one_at_start(
         srv.stop()
 
 
-def test_running_out_of_descriptors_is_logged_once_and_the_server_recovers(
+def _open_serving(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that each made a request and stay open (keep-alive);
+    those the OS refuses are left out."""
+    socks = []
+    for _ in range(n):
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        except OSError:
+            continue
+        socks.append(sock)
+    return socks
+
+
+def _wait_for_log(srv: ServerProcess, start: int, words: str) -> str:
+    deadline = time.monotonic() + 20
+    while words not in srv.log_text()[start:]:
+        assert time.monotonic() < deadline, srv.log_text()[start:]
+        time.sleep(0.05)
+    return srv.log_text()[start:]
+
+
+def _infer_when_back(base: str) -> list[int]:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            return asyncio.run(_keyed_infers(base, 1))
+        except aiohttp.ClientError:
+            assert time.monotonic() < deadline, "the server never answered again"
+            time.sleep(0.1)
+
+
+def test_idle_sockets_cannot_exhaust_descriptors_and_exhaustion_is_logged_once(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    limit = 200
-    config = {
-        "http": {"header_timeout_s": 300.0},
-        "limits": {"max_pending_connections": 10_000},
-        "models": [_affine(model_dir)],
-    }
-    env = _nofile_env(tmp_path, limit, limit)
-    srv = start_server(write_config(tmp_path, config), extra_env=env)
+    limit = 200  # RLIMIT_NOFILE, soft and hard: nothing to raise
+    config = {"http": {"header_timeout_s": 300.0}, "models": [_affine(model_dir)]}
+    srv = start_server(
+        write_config(tmp_path, config), extra_env=_nofile_env(tmp_path, limit, limit)
+    )
     try:
-        before = len(srv.log_text())
-        socks = _open_idle(srv.port, limit + 50)  # the OS resets those past the limit
+        _wait_for_log(srv, 0, "max_pending_connections 1024 lowered to")
+        # Idle sockets past the limit: before the fix the server ran out of
+        # descriptors and new clients were reset.
+        idle = _open_idle(srv.port, limit + 100)
         try:
-            deadline = time.monotonic() + 20
-            while "near the open file limit" not in srv.log_text()[before:]:
-                assert time.monotonic() < deadline, srv.log_text()[before:]
-                time.sleep(0.05)
+
+            async def meanwhile() -> list[int]:
+                async with watch_loop(srv.base):
+                    return await _keyed_infers(srv.base, 10)
+
+            assert asyncio.run(meanwhile()) == [200] * 10
         finally:
-            for s in socks:
+            for s in idle:
                 s.close()
-        # Once the sockets are gone, the server answers again.
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                statuses = asyncio.run(_keyed_infers(srv.base, 1))
-                break
-            except aiohttp.ClientError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-        assert statuses == [200]
+        # Connections that made a request (no max_connections set) can run the
+        # descriptors out: that is logged once, and the server recovers.
+        before = len(srv.log_text())
+        serving = _open_serving(srv.port, limit + 50)
+        try:
+            _wait_for_log(srv, before, "near the open file limit")
+        finally:
+            for s in serving:
+                s.close()
+        assert _infer_when_back(srv.base) == [200]
         log = srv.log_text()[before:]
         assert log.count("near the open file limit") == 1, log
         assert "Traceback" not in log, log

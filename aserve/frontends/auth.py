@@ -107,9 +107,14 @@ def http_middleware(keys: ApiKeys, open_paths: Iterable[str]) -> Any:
     async def require_key(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        if request.path in open_set:
-            return await handler(request)
         why = keys.check(request.headers.get("Authorization"))
+        if request.path in open_set:
+            response = await handler(request)
+            if why is not None:
+                # Served without a key (a probe): no keep-alive either, so an
+                # unauthenticated client cannot hold a connection by polling health.
+                response.force_close()
+            return response
         if why is None:
             return await handler(request)
         _refusals.event("refused an HTTP request from %s without a valid API key: %s",

@@ -23,7 +23,7 @@ from aserve.codecs.v2 import decode_request, encode_response
 from aserve.codecs.validate import check_elements
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
 from aserve.frontends.auth import http_middleware, server_ssl_context
-from aserve.frontends.http_limits import ConnectionGuard, accept_error_handler
+from aserve.frontends.http_limits import ConnectionGuard, accept_error_handler, pending_bound
 from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, inference_route
 from aserve.frontends.openapi import add_openapi_route
 from aserve.frontends.status import HTTP_STATUS
@@ -104,13 +104,14 @@ class HttpFrontend:
         cfg = self._server.config.http
         await self._runner.setup()
         limits = self._server.config.limits
+        fd_limit, in_use = open_file_limit(), fds_in_use()
         self.connections = ConnectionGuard(
             header_timeout_s=cfg.header_timeout_s,
-            max_pending=limits.max_pending_connections,
+            max_pending=pending_bound(limits.max_pending_connections, fd_limit, in_use),
             max_serving=limits.max_connections,
             rejected=self._server.metrics.requests.rejected,
-            fd_limit=open_file_limit(),
-            fds_in_use=fds_in_use(),
+            fd_limit=fd_limit,
+            fds_in_use=in_use,
         )
         assert self._runner.server is not None
         self.connections.install(self._runner.server)

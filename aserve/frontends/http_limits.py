@@ -6,10 +6,10 @@ nothing, so :class:`ConnectionGuard` sorts connections in two kinds:
 
 - *pending*: connected, no complete request head yet. Each has
   ``http.header_timeout_s`` to send one, then it is closed; at most
-  ``limits.max_pending_connections`` are open at once, and a new one over
-  that closes the one that has waited longest (clients that send their
-  request at once are never the oldest for long; idle or trickling sockets
-  are).
+  ``limits.max_pending_connections`` (and no more than half the file
+  descriptors left at start) are open at once, and a new one over that
+  closes the one that has waited longest (clients that send their request at
+  once are never the oldest for long; idle or trickling sockets are).
 - *serving*: has sent a complete request head. Only these count against
   ``limits.max_connections``: a connection whose first request arrives while
   that many are serving gets that request answered 429 (``Retry-After: 1``)
@@ -170,6 +170,22 @@ class ConnectionGuard:
                 self._open,
                 self._fd_limit,
             )
+
+
+def pending_bound(configured: int, fd_limit: int | None, fds_in_use: int) -> int:
+    """``limits.max_pending_connections``, but at most half the descriptors
+    left at start: sockets that never send a request can then not exhaust them."""
+    if fd_limit is None:
+        return configured
+    half = max(16, (fd_limit - fds_in_use) // 2)
+    if half >= configured:
+        return configured
+    log.info(
+        "limits.max_pending_connections %d lowered to %d: half the open file limit "
+        "(RLIMIT_NOFILE %d) left at start",
+        configured, half, fd_limit,
+    )  # fmt: skip
+    return half
 
 
 def accept_error_handler(previous: Any) -> Any:
