@@ -4,6 +4,8 @@ request, credentials that are not text, and what that costs in the log."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import os
 import re
 import resource
@@ -23,6 +25,8 @@ from stall_watch import watch_loop
 
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
+from aserve.frontends.http_limits import accept_error_handler
+from aserve.log_throttle import Throttled
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -409,3 +413,42 @@ def test_grpc_closes_a_connection_that_never_starts_http2(short_timeouts: Server
     finally:
         for s in socks:
             s.close()
+
+
+# --- the pieces, without a server ---------------------------------------------------
+
+
+def test_a_throttled_line_logs_the_first_event_then_one_per_interval_with_a_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    throttled = Throttled(logging.getLogger("aserve.test"), logging.WARNING, 10.0, lambda: now[0])
+    with caplog.at_level(logging.WARNING, "aserve.test"):
+        assert throttled.event("junk from %s", "a")
+        for _ in range(99):
+            assert not throttled.event("junk from %s", "b")
+        now[0] = 10.0
+        assert throttled.event("junk from %s", "c")
+    assert [r.getMessage() for r in caplog.records] == [
+        "junk from a",
+        "junk from c (and 99 more like it since the last such line)",
+    ]
+
+
+def test_accept_errors_for_want_of_descriptors_are_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    passed_on: list[dict[str, Any]] = []
+    handle = accept_error_handler(lambda loop, context: passed_on.append(context))
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.WARNING, "aserve.http"):
+            for _ in range(50):
+                handle(loop, {"message": "socket.accept() out of system resource",
+                              "exception": OSError(errno.EMFILE, "Too many open files")})  # fmt: skip
+            handle(loop, {"message": "something else", "exception": ValueError("x")})
+    finally:
+        loop.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "aserve.http"]
+    assert len(lines) == 1 and "Too many open files" in lines[0], lines
+    assert [c["message"] for c in passed_on] == ["something else"]
