@@ -31,7 +31,7 @@ from aserve.errors import AserveError, ErrorCode, InvalidArgument
 from aserve.frontends.http import MAX_TIMEOUT_KEY, error_response, read_body
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
 from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
-from aserve.loop.generation import generation_runtime
+from aserve.loop.generation import GenerationRuntime, generation_runtime
 from aserve.streaming.channel import Delta
 from aserve.streaming.sse import SseResponse
 
@@ -58,7 +58,9 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     return doc
 
 
-def timeout_for(request: web.Request, runtime: Any, param_timeout_s: float | None = None) -> float:
+def timeout_for(
+    request: web.Request, runtime: GenerationRuntime, param_timeout_s: float | None = None
+) -> float:
     """The generation's timeout by :mod:`aserve.loop.deadline`'s rule: the
     earlier of the header's and the parameters', else the model's default."""
     return request_timeout_s(
@@ -123,7 +125,8 @@ class TritonGenerate:
         exclude = params.get("exclude_input_in_output", True)
         if not isinstance(exclude, bool):
             raise InvalidArgument("parameter 'exclude_input_in_output' must be true or false")
-        # Both are checked, so a bad parameter is refused even when the header wins.
+        # Header and parameters are both checked: a bad one is refused even
+        # when the other asks for less time.
         timeout = timeout_for(request, runtime, request_timeout(params))
         sampling = sampling_from_parameters(params)
         seq = await runtime.prepare(sampling, prompt=prompt, client_id=client_id)
