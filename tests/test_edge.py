@@ -401,6 +401,37 @@ def test_idle_sockets_cannot_exhaust_descriptors_and_exhaustion_is_logged_once(
         srv.stop()
 
 
+def test_sockets_on_the_grpc_port_cannot_exhaust_descriptors(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    limit = 200  # RLIMIT_NOFILE, soft and hard
+    config = {
+        "http": {"header_timeout_s": 300.0},
+        "grpc": {"port": 0},
+        "models": [_affine(model_dir)],
+    }
+    srv = start_server(
+        write_config(tmp_path, config), extra_env=_nofile_env(tmp_path, limit, limit)
+    )
+    try:
+        assert srv.grpc_port is not None
+        idle = _open_idle(srv.grpc_port, limit + 100)
+        try:
+            assert asyncio.run(_keyed_infers(srv.base, 10)) == [200] * 10
+        finally:
+            for s in idle:
+                s.close()
+
+        async def grpc_call() -> None:
+            async with grpc.aio.insecure_channel(srv.grpc_url) as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                await stub.ServerLive(pb.ServerLiveRequest(), timeout=20, wait_for_ready=True)
+
+        asyncio.run(grpc_call())
+    finally:
+        srv.stop()
+
+
 def test_grpc_closes_a_connection_that_never_starts_http2(short_timeouts: ServerProcess) -> None:
     port = short_timeouts.grpc_port
     assert port is not None
@@ -418,37 +449,53 @@ def test_grpc_closes_a_connection_that_never_starts_http2(short_timeouts: Server
 # --- the pieces, without a server ---------------------------------------------------
 
 
-def test_a_throttled_line_logs_the_first_event_then_one_per_interval_with_a_count(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _capture(name: str) -> _Lines:
+    lines = _Lines()
+    logger = logging.getLogger(name)
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    return lines
+
+
+def test_a_throttled_line_logs_the_first_event_then_one_per_interval_with_a_count() -> None:
     now = [0.0]
-    throttled = Throttled(logging.getLogger("aserve.test"), logging.WARNING, 10.0, lambda: now[0])
-    with caplog.at_level(logging.WARNING, "aserve.test"):
-        assert throttled.event("junk from %s", "a")
-        for _ in range(99):
-            assert not throttled.event("junk from %s", "b")
-        now[0] = 10.0
-        assert throttled.event("junk from %s", "c")
-    assert [r.getMessage() for r in caplog.records] == [
+    lines = _capture("aserve.test.throttle")
+    throttled = Throttled(logging.getLogger("aserve.test.throttle"), logging.WARNING, 10.0,
+                          lambda: now[0])  # fmt: skip
+    assert throttled.event("junk from %s", "a")
+    for _ in range(99):
+        assert not throttled.event("junk from %s", "b")
+    now[0] = 10.0
+    assert throttled.event("junk from %s", "c")
+    logging.getLogger("aserve.test.throttle").removeHandler(lines)
+    assert lines.lines == [
         "junk from a",
         "junk from c (and 99 more like it since the last such line)",
     ]
 
 
-def test_accept_errors_for_want_of_descriptors_are_one_line(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_accept_errors_for_want_of_descriptors_are_one_line() -> None:
     passed_on: list[dict[str, Any]] = []
     handle = accept_error_handler(lambda loop, context: passed_on.append(context))
+    captured = _capture("aserve.http")
     loop = asyncio.new_event_loop()
     try:
-        with caplog.at_level(logging.WARNING, "aserve.http"):
-            for _ in range(50):
-                handle(loop, {"message": "socket.accept() out of system resource",
-                              "exception": OSError(errno.EMFILE, "Too many open files")})  # fmt: skip
-            handle(loop, {"message": "something else", "exception": ValueError("x")})
+        for _ in range(50):
+            handle(loop, {"message": "socket.accept() out of system resource",
+                          "exception": OSError(errno.EMFILE, "Too many open files")})  # fmt: skip
+        handle(loop, {"message": "something else", "exception": ValueError("x")})
     finally:
         loop.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "aserve.http"]
+        logging.getLogger("aserve.http").removeHandler(captured)
+    lines = captured.lines
     assert len(lines) == 1 and "Too many open files" in lines[0], lines
     assert [c["message"] for c in passed_on] == ["something else"]

@@ -43,6 +43,7 @@ from aserve.frontends.grpc_health import REFLECTED_SERVICES, Health, reflection_
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
 from aserve.loop.deadline import request_timeout_s
+from aserve.loop.fd_limit import fds_in_use, open_file_limit
 from aserve.loop.generation import GenerationRuntime
 from aserve.metrics import OK
 
@@ -74,13 +75,21 @@ _MAX_STREAMS: Final = 1024
 
 
 def _connection_options(handshake_timeout_s: float) -> list[tuple[str, int]]:
-    return [
+    options = [
         ("grpc.server_handshake_timeout_ms", max(1, int(handshake_timeout_s * 1e3))),
         ("grpc.max_connection_idle_ms", _IDLE_MS),
         ("grpc.keepalive_time_ms", _PING_MS),
         ("grpc.keepalive_timeout_ms", _PING_TIMEOUT_MS),
         ("grpc.max_concurrent_streams", _MAX_STREAMS),
     ]
+    fd_limit = open_file_limit()
+    if fd_limit is not None:
+        # A quarter of the descriptors left: sockets on the gRPC port cannot
+        # exhaust what HTTP needs (HTTP's pending connections get half).
+        # Clients multiplex calls on a channel, so few connections are normal.
+        most = max(16, (fd_limit - fds_in_use()) // 4)
+        options.append(("grpc.max_allowed_incoming_connections", most))
+    return options
 
 
 _Request = TypeVar("_Request")
