@@ -25,6 +25,7 @@ from stall_watch import watch_loop
 
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
+from aserve.config import ConfigError, parse_config
 from aserve.frontends.http_limits import accept_error_handler
 from aserve.log_throttle import Throttled
 
@@ -499,3 +500,18 @@ def test_accept_errors_for_want_of_descriptors_are_one_line() -> None:
     lines = captured.lines
     assert len(lines) == 1 and "Too many open files" in lines[0], lines
     assert [c["message"] for c in passed_on] == ["something else"]
+
+
+@pytest.mark.parametrize(
+    ("config", "path"),
+    [
+        ({"http": {"header_timeout_s": 0}}, "http.header_timeout_s"),
+        ({"http": {"keepalive_timeout_s": float("inf")}}, "http.keepalive_timeout_s"),
+        ({"limits": {"max_pending_connections": 0}}, "limits.max_pending_connections"),
+        ({"limits": {"max_timeout_ms": float("nan")}}, "limits.max_timeout_ms"),
+        ({"limits": {"max_timeout_ms": -1}}, "limits.max_timeout_ms"),
+    ],
+)
+def test_edge_settings_are_checked_naming_the_json_path(config: dict, path: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(path)):
+        parse_config(config)
