@@ -288,12 +288,20 @@ def few_pending(
 
 def test_pending_connections_have_a_bound_of_their_own(few_pending: ServerProcess) -> None:
     srv = few_pending
-    socks = _open_idle(srv.port, 40)
+    socks: list[socket.socket] = []
+
+    async def case() -> None:
+        async with watch_loop(srv.base):
+            socks.extend(await asyncio.to_thread(_open_idle, srv.port, 40))
+            # The server closes the oldest beyond 8; the header timeout (300 s) is no help.
+            closed = await asyncio.to_thread(
+                lambda: [s for s in socks[:32] if _closed_by_server(s, 20)]
+            )
+            assert len(closed) == 32
+            assert await _keyed_infers(srv.base, 10) == [200] * 10
+
     try:
-        # The server closes the oldest beyond 8; the header timeout (300 s) is no help here.
-        closed = [s for s in socks[:32] if _closed_by_server(s, 20)]
-        assert len(closed) == 32
-        assert asyncio.run(_keyed_infers(srv.base, 10)) == [200] * 10
+        asyncio.run(case())
     finally:
         for s in socks:
             s.close()
@@ -416,9 +424,15 @@ def test_sockets_on_the_grpc_port_cannot_exhaust_descriptors(
     )
     try:
         assert srv.grpc_port is not None
-        idle = _open_idle(srv.grpc_port, limit + 100)
+        idle: list[socket.socket] = []
+
+        async def case() -> None:
+            async with watch_loop(srv.base):
+                idle.extend(await asyncio.to_thread(_open_idle, srv.grpc_port, limit + 100))
+                assert await _keyed_infers(srv.base, 10) == [200] * 10
+
         try:
-            assert asyncio.run(_keyed_infers(srv.base, 10)) == [200] * 10
+            asyncio.run(case())
         finally:
             for s in idle:
                 s.close()
