@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -110,17 +111,18 @@ class ConnectionGuard:
             self._open -= 1
             connection_lost(handler, exc)
 
-        async def request_handler(request: Any) -> web.StreamResponse:
+        # Not a coroutine itself: the handler's own awaitable is passed on,
+        # so the request path gains no frame.
+        def request_handler(request: Any) -> Awaitable[web.StreamResponse]:
             protocol = request.protocol
             timer = self._pending.pop(protocol, None)
-            if timer is None:  # a later request on a serving connection
-                return await handle(request)
-            timer.cancel()
-            limit = self._max_serving
-            if limit is not None and len(self._serving) >= limit:
-                return self._refuse(limit)
-            self._serving.add(protocol)
-            return await handle(request)
+            if timer is not None:  # the connection's first request
+                timer.cancel()
+                limit = self._max_serving
+                if limit is not None and len(self._serving) >= limit:
+                    return self._refuse(limit)
+                self._serving.add(protocol)
+            return handle(request)
 
         server.connection_made = made  # type: ignore[method-assign]
         server.connection_lost = lost  # type: ignore[method-assign]
@@ -147,7 +149,7 @@ class ConnectionGuard:
                 self._max_pending + 1,
             )
 
-    def _refuse(self, limit: int) -> web.Response:
+    async def _refuse(self, limit: int) -> web.Response:
         self._rejected["max_connections"] = self._rejected.get("max_connections", 0) + 1
         response = web.Response(
             status=429,
