@@ -178,8 +178,12 @@ def test_grpc_bad_authorization_metadata_is_unauthenticated(keyed: ServerProcess
 
 
 def _edge_server(model_dir: Path, folder: Path, http: dict, limits: dict) -> ServerProcess:
-    config = {"http": http, "limits": limits, "grpc": {"port": 0}, "models": [_affine(model_dir)]}
-    return start_server(write_config(folder, config))
+    """A server with API keys: the hostile sockets have none, the test's clients do."""
+    config = {
+        "http": http, "limits": limits, "auth": {"api_keys_env": KEYS_ENV},
+        "grpc": {"port": 0}, "models": [_affine(model_dir)],
+    }  # fmt: skip
+    return start_server(write_config(folder, config), extra_env={KEYS_ENV: KEY})
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +230,8 @@ async def _keyed_infers(base: str, n: int) -> list[int]:
     statuses = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
         for _ in range(n):
-            async with s.post(base + INFER, json=BODY) as r:
+            auth = {"Authorization": f"Bearer {KEY}"}  # servers without keys ignore it
+            async with s.post(base + INFER, json=BODY, headers=auth) as r:
                 await r.read()
                 statuses.append(r.status)
     return statuses
@@ -263,6 +268,7 @@ def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout(
     short_timeouts: ServerProcess,
 ) -> None:
     head = f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+    head += f"Authorization: Bearer {KEY}\r\n".encode()
     body = orjson.dumps(BODY)
     with socket.create_connection(("127.0.0.1", short_timeouts.port), timeout=10) as sock:
         sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
