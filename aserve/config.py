@@ -44,6 +44,13 @@ class HttpConfig(_Frozen):
 
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, le=65535)] = 8000  # 0 picks a free port
+    header_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
+    """Time a new connection has to send its first complete request head
+    (request line and headers); one that has not is closed."""
+    keepalive_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 75.0
+    """Time an idle kept-alive connection stays open after its last answer:
+    longer than common load balancers' idle timeouts (60 s), so that they,
+    not aserve, close idle connections and never reuse one aserve closed."""
 
 
 class GrpcConfig(_Frozen):
@@ -64,7 +71,17 @@ class LimitsConfig(_Frozen):
     max_connections: Annotated[int | None, Field(ge=1)] = None
     """HTTP connections open at once, and gRPC inference calls (unary or
     streams) in flight at once: each frontend refuses those over it (HTTP 429
-    on the connection's first request, which closes it; gRPC RESOURCE_EXHAUSTED)."""
+    on the connection's first request, which closes it; gRPC RESOURCE_EXHAUSTED).
+    An HTTP connection counts once it has sent a complete request head; those
+    that have not yet are bounded by ``max_pending_connections`` instead."""
+    max_pending_connections: Annotated[int, Field(ge=1)] = 1024
+    """HTTP connections open at once that have not sent a complete request
+    head yet (each has ``http.header_timeout_s`` to do so). A new one over it
+    closes the one waiting longest, so idle or trickling sockets cannot keep
+    out clients that send their request at once."""
+    max_timeout_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600_000.0
+    """The longest deadline a request gets, whatever it asks for (header,
+    parameter, gRPC deadline) or its model's default is."""
     max_concurrency: Annotated[int | None, Field(ge=1)] = None
     """Inference requests being served at once, both frontends together (a
     stream's requests each count; a generation counts until its stream ends);

@@ -33,6 +33,10 @@ class AserveError(Exception):
     code: ErrorCode = ErrorCode.INTERNAL
 
     def __init__(self, message: str) -> None:
+        if not message.isascii():
+            # A message may quote what a client sent: undecodable header bytes
+            # arrive as lone surrogates, which neither JSON nor gRPC can carry.
+            message = message.encode("utf-8", "backslashreplace").decode()
         super().__init__(message)
         self.message = message
 

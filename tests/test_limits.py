@@ -161,7 +161,8 @@ def test_max_connections_http(few_connections: ServerProcess) -> None:
     assert status == 429 and headers["Retry-After"] == "1"
     assert headers["Connection"] == "close"
     assert doc["error"] == (
-        "server has 3 HTTP connections open, its limit limits.max_connections is 2; retry later"
+        "server has 2 HTTP connections serving requests, its limit limits.max_connections "
+        "is 2; retry later"
     )
     third.close()
     assert _infer_on(first)[0] == 200  # the open ones are served as before

@@ -17,6 +17,7 @@ from aserve.codecs.binary import bytes_elements
 from aserve.codecs.datatypes import DATATYPES, numpy_dtype
 from aserve.config import TensorSpec
 from aserve.errors import InvalidArgument, TooLarge, Unavailable, Unimplemented
+from aserve.loop.deadline import parameter_timeout_s
 
 # numpy (and every engine) counts in int64: a dimension, and the product of a
 # shape's dimensions times the element size, must stay below this.
@@ -242,19 +243,10 @@ def request_timeout(params: Mapping[str, Any]) -> float | None:
 
     ``timeout_ms`` is aserve's spelling, ``timeout`` (microseconds) Triton's.
     Sequence batching is refused here: both frontends see it the same way.
+    The timeout's rule is :mod:`aserve.loop.deadline`'s.
     """
-    timeout_s = None
-    if "timeout_ms" in params:
-        timeout_s = _positive(params["timeout_ms"], "timeout_ms") / 1e3
-    elif "timeout" in params:
-        timeout_s = _positive(params["timeout"], "timeout") / 1e6
+    timeout_s = parameter_timeout_s(params)
     seq = params.get("sequence_id")
     if seq not in (None, 0, ""):
         raise Unimplemented("sequence batching (parameter 'sequence_id') is not supported")
     return timeout_s
-
-
-def _positive(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise InvalidArgument(f"parameter '{name}' must be a positive number (got {value!r})")
-    return float(value)

@@ -27,6 +27,7 @@ import orjson
 from aiohttp import web
 
 from aserve.config import AuthConfig, TlsConfig
+from aserve.log_throttle import Throttled
 
 log = logging.getLogger("aserve.auth")
 
@@ -34,6 +35,9 @@ _BEARER = "bearer "
 _HEALTH_SERVICE = "/grpc.health.v1.Health/"
 _MISSING = "missing API key: send 'authorization: Bearer <key>' (HTTP header or gRPC metadata)"
 _WRONG = "invalid API key"
+_NOT_TEXT = "the authorization must be 'Bearer <key>' in printable ASCII"
+# Refusals need no credentials to cause: one line per interval, not one per request.
+_refusals = Throttled(log, logging.WARNING)
 
 
 class ApiKeys:
@@ -49,6 +53,9 @@ class ApiKeys:
         """Why ``authorization`` (an ``Authorization`` value) is refused, or None if accepted."""
         if not authorization:
             return _MISSING
+        # Undecodable bytes arrive as lone surrogates, which str.encode refuses.
+        if not (authorization.isascii() and authorization.isprintable()):
+            return _NOT_TEXT
         if authorization[: len(_BEARER)].lower() != _BEARER:
             return "the authorization must be 'Bearer <key>'"
         given = authorization[len(_BEARER) :].strip().encode()
@@ -100,17 +107,28 @@ def http_middleware(keys: ApiKeys, open_paths: Iterable[str]) -> Any:
     async def require_key(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        if request.path in open_set:
-            return await handler(request)
         why = keys.check(request.headers.get("Authorization"))
+        if request.path in open_set:
+            response = await handler(request)
+            if why is not None:
+                # Served without a key (a probe): no keep-alive either, so an
+                # unauthenticated client cannot hold a connection by polling health.
+                response.force_close()
+            return response
         if why is None:
             return await handler(request)
-        return web.Response(
+        _refusals.event("refused an HTTP request from %s without a valid API key: %s",
+                        request.remote, why)  # fmt: skip
+        response = web.Response(
             status=401,
             body=orjson.dumps({"error": why}),
             content_type="application/json",
             headers={"WWW-Authenticate": "Bearer"},
         )
+        # No keep-alive without a key: an unauthenticated client holds no
+        # connection (nor a slot of limits.max_connections) past its answer.
+        response.force_close()
+        return response
 
     return require_key
 
@@ -132,11 +150,14 @@ class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
         authorization = None
         for key, value in details.invocation_metadata or ():
             if key == "authorization":
-                authorization = value if isinstance(value, str) else value.decode()
+                # latin-1 decodes any bytes; check() then refuses what is not ASCII.
+                authorization = value if isinstance(value, str) else bytes(value).decode("latin-1")
                 break
         why = self._keys.check(authorization)
         if why is None:
             return await continuation(details)
+        _refusals.event("refused a gRPC call of %.100r without a valid API key: %s",
+                        details.method, why)  # fmt: skip
         handler = await continuation(details)
         return _refusing(handler, why)
 

@@ -28,9 +28,10 @@ from aiohttp import web
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.validate import request_timeout
 from aserve.errors import AserveError, ErrorCode, InvalidArgument
-from aserve.frontends.http import error_response, read_body
+from aserve.frontends.http import MAX_TIMEOUT_KEY, error_response, read_body
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
-from aserve.loop.generation import generation_runtime
+from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
+from aserve.loop.generation import GenerationRuntime, generation_runtime
 from aserve.streaming.channel import Delta
 from aserve.streaming.sse import SseResponse
 
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aserve.http")
 
-TIMEOUT_HEADER = "aserve-timeout-ms"
 Route = Callable[[str, str, Any], None]
 
 
@@ -58,18 +58,16 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     return doc
 
 
-def header_timeout(request: web.Request) -> float | None:
-    """Seconds from the ``aserve-timeout-ms`` header, if given."""
-    value = request.headers.get(TIMEOUT_HEADER)
-    if value is None:
-        return None
-    try:
-        ms = float(value)
-    except ValueError:
-        ms = -1.0
-    if not ms > 0:
-        raise InvalidArgument(f"header {TIMEOUT_HEADER}: '{value}' must be a positive number of ms")
-    return ms / 1e3
+def timeout_for(
+    request: web.Request, runtime: GenerationRuntime, param_timeout_s: float | None = None
+) -> float:
+    """The generation's timeout by :mod:`aserve.loop.deadline`'s rule: the
+    earlier of the header's and the parameters', else the model's default."""
+    return request_timeout_s(
+        (header_timeout_s(request.headers.get(TIMEOUT_HEADER)), param_timeout_s),
+        runtime.default_timeout_s,
+        request.app[MAX_TIMEOUT_KEY],
+    )
 
 
 def usage(delta: Delta | None) -> dict[str, int]:
@@ -127,9 +125,9 @@ class TritonGenerate:
         exclude = params.get("exclude_input_in_output", True)
         if not isinstance(exclude, bool):
             raise InvalidArgument("parameter 'exclude_input_in_output' must be true or false")
-        # Both are checked, so a bad parameter is refused even when the header wins.
-        from_params = request_timeout(params)
-        timeout = header_timeout(request) or from_params
+        # Header and parameters are both checked: a bad one is refused even
+        # when the other asks for less time.
+        timeout = timeout_for(request, runtime, request_timeout(params))
         sampling = sampling_from_parameters(params)
         seq = await runtime.prepare(sampling, prompt=prompt, client_id=client_id)
         req = runtime.generate(seq, timeout, client_id)

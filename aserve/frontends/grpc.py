@@ -42,6 +42,8 @@ from aserve.frontends.grpc_generate import GenerationServicer, answer_decoupled
 from aserve.frontends.grpc_health import REFLECTED_SERVICES, Health, reflection_pool
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
+from aserve.loop.deadline import request_timeout_s
+from aserve.loop.fd_limit import fds_in_use, open_file_limit
 from aserve.loop.generation import GenerationRuntime
 from aserve.metrics import OK
 
@@ -57,6 +59,38 @@ EXTENSIONS: Final = ["parameters", "statistics", "model_configuration"]
 STREAM_MAX_IN_FLIGHT: Final = 1024
 _FINAL = "triton_final_response"
 _EMPTY_FINAL = "triton_enable_empty_final_response"
+
+# What a gRPC connection may hold (see the README's "gRPC" section): one that
+# has not finished its handshake (HTTP/2 preface and settings, TLS) within
+# http.header_timeout_s is closed, as over HTTP; one without calls for
+# _IDLE_MS is sent GOAWAY (clients reconnect by themselves); a peer that
+# vanished is found by keepalive pings (_PING_MS, answered within
+# _PING_TIMEOUT_MS) even under an open stream. grpc's defaults already
+# answer clients that ping too often with GOAWAY.
+_IDLE_MS: Final = 300_000
+_PING_MS: Final = 120_000
+_PING_TIMEOUT_MS: Final = 20_000
+# Calls one connection may have open at once: more wait on the client.
+_MAX_STREAMS: Final = 1024
+
+
+def _connection_options(handshake_timeout_s: float) -> list[tuple[str, int]]:
+    options = [
+        ("grpc.server_handshake_timeout_ms", max(1, int(handshake_timeout_s * 1e3))),
+        ("grpc.max_connection_idle_ms", _IDLE_MS),
+        ("grpc.keepalive_time_ms", _PING_MS),
+        ("grpc.keepalive_timeout_ms", _PING_TIMEOUT_MS),
+        ("grpc.max_concurrent_streams", _MAX_STREAMS),
+    ]
+    fd_limit = open_file_limit()
+    if fd_limit is not None:
+        # A quarter of the descriptors left: sockets on the gRPC port cannot
+        # exhaust what HTTP needs (HTTP's pending connections get half).
+        # Clients multiplex calls on a channel, so few connections are normal.
+        most = max(16, (fd_limit - fds_in_use()) // 4)
+        options.append(("grpc.max_allowed_incoming_connections", most))
+    return options
+
 
 _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
@@ -92,6 +126,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, server: Server, frontend: GrpcFrontend) -> None:
         self._server = server
         self._frontend = frontend
+        self._max_timeout_s = server.config.limits.max_timeout_ms / 1e3
 
     def _runtime(self, name: str, version: str) -> ModelRuntime:
         return self._server.registry.get(name, version or None)
@@ -191,15 +226,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if decoded.pending:  # much data: decoded on a thread, then routing is looked up again
             await asyncio.to_thread(decoded.decode_pending)
             runtime = same_io(runtime, self._runtime(request.model_name, request.model_version))
-        timeout = decoded.timeout_s
-        if deadline_s is not None:
-            # Past the call's deadline nobody waits for the answer.
-            timeout = deadline_s if timeout is None else min(timeout, deadline_s)
+        # Past the call's deadline nobody waits for the answer.
+        timeout = request_timeout_s(
+            (decoded.timeout_s, deadline_s), runtime.default_timeout_s, self._max_timeout_s
+        )
         outputs = await runtime.infer(
             decoded.inputs,
             decoded.batch_size,
             decoded.shape_key,
-            runtime.default_timeout_s if timeout is None else timeout,
+            timeout,
             decoded.client_id,
             decoded.parameters,
         )
@@ -323,8 +358,9 @@ class _Stream:
             with server.admission:  # each request of the stream counts
                 if isinstance(runtime, GenerationRuntime):
                     status = await answer_decoupled(
-                        self, runtime, request, self._context.time_remaining()
-                    )
+                        self, runtime, request, self._context.time_remaining(),
+                        self._servicer._max_timeout_s,
+                    )  # fmt: skip
                     record(runtime, "grpc", status, started)
                     return
                 response = await self._servicer._infer(request, self._context.time_remaining())
@@ -405,6 +441,7 @@ class GrpcFrontend:
                 # grpc's default SO_REUSEPORT would let a second server bind
                 # the same port and silently share its traffic.
                 ("grpc.so_reuseport", 0),
+                *_connection_options(config.http.header_timeout_s),
             ],
         )
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(

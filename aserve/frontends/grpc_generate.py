@@ -29,6 +29,7 @@ from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
+from aserve.loop.deadline import request_timeout_s
 from aserve.loop.generation import (
     TEXT_OUTPUT,
     GenerationRuntime,
@@ -62,13 +63,6 @@ def _as_error(exc: Exception, what: str) -> AserveError:
     return InternalError(f"internal error: {exc!r}")
 
 
-def _timeout(timeout_s: float | None, call_remaining: float | None) -> float | None:
-    """The sooner of the request's own timeout and the call's deadline."""
-    if call_remaining is None:
-        return timeout_s
-    return call_remaining if timeout_s is None else min(timeout_s, call_remaining)
-
-
 class GenerationServicer(apb_grpc.GenerationServicer):
     """``aserve.v1.Generation``: server-streaming generation."""
 
@@ -98,10 +92,13 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                     seq = await runtime.prepare(
                         _sampling(request.sampling), prompt, messages, request.id or None
                     )
-                    own = request.timeout_ms / 1e3 if request.timeout_ms else None
-                    req = runtime.generate(
-                        seq, _timeout(own, context.time_remaining()), request.id or None
+                    own = request.timeout_ms / 1e3 if request.timeout_ms else None  # 0: unset
+                    timeout = request_timeout_s(
+                        (own, context.time_remaining()),
+                        runtime.default_timeout_s,
+                        self._server.config.limits.max_timeout_ms / 1e3,
                     )
+                    req = runtime.generate(seq, timeout, request.id or None)
                 except Exception as exc:  # CancelledError is not an Exception: it propagates
                     error = _as_error(exc, "Generate")
                     status = error.code.value
@@ -185,6 +182,7 @@ async def answer_decoupled(
     runtime: GenerationRuntime,
     request: pb.ModelInferRequest,
     call_remaining: float | None,
+    max_timeout_s: float,
 ) -> str:
     """One request of a ModelStreamInfer call on a decoder model: a response per
     piece of text (``text_output``), the last flagged ``triton_final_response``
@@ -199,7 +197,10 @@ async def answer_decoupled(
         params = sampling_from_parameters(decoded.parameters)
         client_id = request.id or None
         seq = await runtime.prepare(params, text_input(decoded.inputs), client_id=client_id)
-        req = runtime.generate(seq, _timeout(decoded.timeout_s, call_remaining), client_id)
+        timeout = request_timeout_s(
+            (decoded.timeout_s, call_remaining), runtime.default_timeout_s, max_timeout_s
+        )
+        req = runtime.generate(seq, timeout, client_id)
     except Exception as exc:
         error = _as_error(exc, "ModelStreamInfer")
         out.send_final([_failed(request, error)])

@@ -23,10 +23,12 @@ from aserve.codecs.v2 import decode_request, encode_response
 from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
 from aserve.frontends.auth import http_middleware, server_ssl_context
-from aserve.frontends.http_limits import limit_connections
+from aserve.frontends.http_limits import ConnectionGuard, accept_error_handler, pending_bound
 from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, inference_route
 from aserve.frontends.openapi import add_openapi_route
 from aserve.frontends.status import HTTP_STATUS
+from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
+from aserve.loop.fd_limit import fds_in_use, open_file_limit
 
 if TYPE_CHECKING:
     from aserve.loop.model import ModelRuntime
@@ -34,7 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aserve.http")
 
-TIMEOUT_HEADER = "aserve-timeout-ms"
 IHCL = "Inference-Header-Content-Length"
 _JSON = "application/json"
 _COMPRESS_OVER_BYTES = 64 * 1024  # larger bodies are compressed off the loop
@@ -48,6 +49,7 @@ _INFLATE_WBITS = {
 # (up to max_request_bytes), so it is inflated on a thread (zlib releases the GIL).
 _INFLATE_ON_LOOP_BYTES = 1024
 MAX_BODY_KEY = web.AppKey("aserve_max_request_bytes", int)
+MAX_TIMEOUT_KEY = web.AppKey("aserve_max_timeout_s", float)  # limits.max_timeout_ms, in s
 
 
 def error_response(error: AserveError) -> web.Response:
@@ -74,12 +76,14 @@ class HttpFrontend:
         cfg = server.config
         self._max_body = cfg.limits.max_request_bytes
         self._max_elements = cfg.limits.max_tensor_elements
+        self._max_timeout_s = cfg.limits.max_timeout_ms / 1e3
         middlewares = []
         if server.api_keys is not None:
             assert cfg.auth is not None
             middlewares.append(http_middleware(server.api_keys, cfg.auth.open_paths))
         self._app = web.Application(client_max_size=self._max_body, middlewares=middlewares)
         self._app[MAX_BODY_KEY] = self._max_body
+        self._app[MAX_TIMEOUT_KEY] = self._max_timeout_s
         self._add_routes()
         self._runner = web.AppRunner(
             self._app,
@@ -88,8 +92,12 @@ class HttpFrontend:
             handler_cancellation=True,  # a client that goes away cancels its handler
             shutdown_timeout=cfg.drain_timeout_s,
             auto_decompress=False,  # read_body inflates: errors answer JSON, the limit holds
+            # An idle connection is closed after this; a connection that has not
+            # sent its first request yet, much sooner (ConnectionGuard).
+            keepalive_timeout=cfg.http.keepalive_timeout_s,
         )
         self._site: web.TCPSite | None = None
+        self.connections: ConnectionGuard | None = None
         self.inflight = 0
         self.addresses: list[tuple[str, int]] = []
 
@@ -98,9 +106,20 @@ class HttpFrontend:
     async def start(self) -> None:
         cfg = self._server.config.http
         await self._runner.setup()
-        limit = self._server.config.limits.max_connections
-        if limit is not None:
-            limit_connections(self._runner.server, limit, self._server.metrics.requests.rejected)
+        limits = self._server.config.limits
+        fd_limit, in_use = open_file_limit(), fds_in_use()
+        self.connections = ConnectionGuard(
+            header_timeout_s=cfg.header_timeout_s,
+            max_pending=pending_bound(limits.max_pending_connections, fd_limit, in_use),
+            max_serving=limits.max_connections,
+            rejected=self._server.metrics.requests.rejected,
+            fd_limit=fd_limit,
+            fds_in_use=in_use,
+        )
+        assert self._runner.server is not None
+        self.connections.install(self._runner.server)
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(accept_error_handler(loop.get_exception_handler()))
         tls = self._server.config.tls
         ssl_context = None if tls is None else server_ssl_context(tls, self._server.base_dir)
         self._site = web.TCPSite(
@@ -259,15 +278,16 @@ class HttpFrontend:
             await asyncio.to_thread(decoded.decode_pending)
             runtime = same_io(runtime, self._runtime(request))
             request[RUNTIME_KEY] = runtime
-        timeout = decoded.timeout_s
-        header_timeout = headers.get(TIMEOUT_HEADER)
-        if header_timeout is not None:
-            timeout = _header_timeout(header_timeout)
+        timeout = request_timeout_s(
+            (header_timeout_s(headers.get(TIMEOUT_HEADER)), decoded.timeout_s),
+            runtime.default_timeout_s,
+            self._max_timeout_s,
+        )
         outputs = await runtime.infer(
             decoded.inputs,
             decoded.batch_size,
             decoded.shape_key,
-            timeout if timeout is not None else runtime.default_timeout_s,
+            timeout,
             decoded.client_id,
             decoded.parameters,
         )
@@ -329,16 +349,6 @@ def _inflate(raw: bytes, encoding: str, limit: int) -> bytes:
     if not inflater.eof:
         raise InvalidArgument(f"request body cannot be read as {encoding}: it ends early")
     return body
-
-
-def _header_timeout(value: str) -> float:
-    try:
-        ms = float(value)
-    except ValueError:
-        ms = -1.0
-    if not ms > 0:
-        raise InvalidArgument(f"header {TIMEOUT_HEADER}: '{value}' must be a positive number of ms")
-    return ms / 1e3
 
 
 def _response_encoding(accept: str | None) -> str | None:

@@ -1,16 +1,37 @@
-"""``limits.max_connections`` for the aiohttp frontend (on the loop).
+"""What an HTTP connection may hold, for the aiohttp frontend (on the loop).
 
-aiohttp accepts every connection; this module marks the ones that arrive
-while ``limit`` are already open, and answers the first request on a marked
-connection with 429 (``Retry-After: 1``) and closes it. Answering a request,
-rather than closing at once, lets the client read why; closing frees the
-slot for a later connection. Nothing is installed when there is no limit, so
-the request path is unchanged then.
+aiohttp accepts every connection and, left alone, keeps one that never sends
+a request for its whole keep-alive timeout. A socket costs an attacker
+nothing, so :class:`ConnectionGuard` sorts connections in two kinds:
+
+- *pending*: connected, no complete request head yet. Each has
+  ``http.header_timeout_s`` to send one, then it is closed; at most
+  ``limits.max_pending_connections`` (and no more than half the file
+  descriptors left at start) are open at once, and a new one over that
+  closes the one that has waited longest (clients that send their request at
+  once are never the oldest for long; idle or trickling sockets are).
+- *serving*: has sent a complete request head. Only these count against
+  ``limits.max_connections``: a connection whose first request arrives while
+  that many are serving gets that request answered 429 (``Retry-After: 1``)
+  and is closed. Answering rather than closing at once lets the client read
+  why; closing frees the slot for a later connection.
+
+An idle kept-alive connection is closed by aiohttp after
+``http.keepalive_timeout_s``; the next request head on it must be complete by
+then. Closing for either timeout is logged as one throttled line.
+
+Running out of file descriptors is logged too, once per burst: an event loop
+that refuses an accept with EMFILE is seen by :func:`accept_error_handler`;
+uvloop (libuv) hides it, so :class:`ConnectionGuard` warns when the open
+connections near the process's ``RLIMIT_NOFILE``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -18,36 +39,123 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
+from aserve.log_throttle import Throttled
 
-def limit_connections(server: Server, limit: int, rejected: dict[str, int]) -> None:
-    """Refuse requests on connections beyond ``limit``; counts them in ``rejected``.
+log = logging.getLogger("aserve.http")
 
-    Call after ``AppRunner.setup()`` and before the site starts: connection
-    handlers read ``server.request_handler`` when they are created.
+_FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_FD_WARN_FRACTION = 0.9  # of RLIMIT_NOFILE: warn before the OS starts refusing
+
+
+class ConnectionGuard:
+    """Header timeout, the pending bound and ``max_connections`` on one aiohttp server.
+
+    Call :meth:`install` after ``AppRunner.setup()`` and before the site
+    starts: connection handlers read ``server.request_handler`` when they are
+    created.
     """
-    over: set[RequestHandler] = set()
-    connection_made, connection_lost = server.connection_made, server.connection_lost
-    handle = server.request_handler
 
-    def made(handler: RequestHandler, transport: asyncio.Transport) -> None:
-        connection_made(handler, transport)
-        if len(server.connections) > limit:
-            over.add(handler)
+    def __init__(
+        self,
+        *,
+        header_timeout_s: float,
+        max_pending: int,
+        max_serving: int | None,
+        rejected: dict[str, int],
+        fd_limit: int | None,
+        fds_in_use: int,
+    ) -> None:
+        self._header_timeout_s = header_timeout_s
+        self._max_pending = max_pending
+        self._max_serving = max_serving
+        self._rejected = rejected
+        # Oldest first (dicts keep insertion order): the eviction order.
+        self._pending: dict[RequestHandler, asyncio.TimerHandle] = {}
+        self._serving: set[RequestHandler] = set()
+        self._fd_limit = fd_limit
+        self._fd_warn_at = None if fd_limit is None else int(fd_limit * _FD_WARN_FRACTION)
+        self._fds_in_use = fds_in_use  # at start: models, pipes, listeners
+        self._open = 0
+        self._closed_log = Throttled(log, logging.INFO)
+        self._fd_log = Throttled(log, logging.WARNING)
 
-    def lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
-        over.discard(handler)
-        connection_lost(handler, exc)
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
 
-    async def request_handler(request: Any) -> web.StreamResponse:
-        if request.protocol not in over:
-            return await handle(request)
-        rejected["max_connections"] = rejected.get("max_connections", 0) + 1
-        open_now = len(server.connections)
+    @property
+    def serving(self) -> int:
+        return len(self._serving)
+
+    def install(self, server: Server) -> None:
+        connection_made, connection_lost = server.connection_made, server.connection_lost
+        handle = server.request_handler
+        loop = asyncio.get_running_loop()
+
+        def made(handler: RequestHandler, transport: asyncio.Transport) -> None:
+            connection_made(handler, transport)
+            self._open += 1
+            self._pending[handler] = loop.call_later(
+                self._header_timeout_s, self._header_timeout, handler
+            )
+            if len(self._pending) > self._max_pending:
+                oldest = next(iter(self._pending))
+                self._close_pending(oldest, "max_pending_connections")
+            self._check_fds()
+
+        def lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
+            timer = self._pending.pop(handler, None)
+            if timer is not None:
+                timer.cancel()
+            self._serving.discard(handler)
+            self._open -= 1
+            connection_lost(handler, exc)
+
+        # Not a coroutine itself: the handler's own awaitable is passed on,
+        # so the request path gains no frame.
+        def request_handler(request: Any) -> Awaitable[web.StreamResponse]:
+            protocol = request.protocol
+            timer = self._pending.pop(protocol, None)
+            if timer is not None:  # the connection's first request
+                timer.cancel()
+                limit = self._max_serving
+                if limit is not None and len(self._serving) >= limit:
+                    return self._refuse(limit)
+                self._serving.add(protocol)
+            return handle(request)
+
+        server.connection_made = made  # type: ignore[method-assign]
+        server.connection_lost = lost  # type: ignore[method-assign]
+        server.request_handler = request_handler
+
+    def _header_timeout(self, handler: RequestHandler) -> None:
+        if handler in self._pending:
+            self._close_pending(handler, "header_timeout")
+
+    def _close_pending(self, handler: RequestHandler, reason: str) -> None:
+        self._pending.pop(handler).cancel()
+        self._rejected[reason] = self._rejected.get(reason, 0) + 1
+        handler.force_close()  # connection_lost follows and forgets it
+        if reason == "header_timeout":
+            self._closed_log.event(
+                "closed an HTTP connection that sent no complete request head within "
+                "http.header_timeout_s %g s",
+                self._header_timeout_s,
+            )
+        else:
+            self._closed_log.event(
+                "closed the oldest of %d HTTP connections without a complete request head "
+                "(limits.max_pending_connections)",
+                self._max_pending + 1,
+            )
+
+    async def _refuse(self, limit: int) -> web.Response:
+        self._rejected["max_connections"] = self._rejected.get("max_connections", 0) + 1
         response = web.Response(
             status=429,
             body=orjson.dumps({"error": (
-                f"server has {open_now} HTTP connections open, its limit "
-                f"limits.max_connections is {limit}; retry later"
+                f"server has {len(self._serving)} HTTP connections serving requests, its "
+                f"limit limits.max_connections is {limit}; retry later"
             )}),
             content_type="application/json",
             headers={"Retry-After": "1"},
@@ -55,6 +163,51 @@ def limit_connections(server: Server, limit: int, rejected: dict[str, int]) -> N
         response.force_close()  # the slot goes back once this connection closes
         return response
 
-    server.connection_made = made  # type: ignore[method-assign]
-    server.connection_lost = lost  # type: ignore[method-assign]
-    server.request_handler = request_handler
+    def _check_fds(self) -> None:
+        if self._fd_warn_at is not None and self._fds_in_use + self._open >= self._fd_warn_at:
+            self._fd_log.event(
+                "%d HTTP connections open, near the open file limit (RLIMIT_NOFILE %d): "
+                "past it new connections are reset by the OS; set limits.max_connections "
+                "or raise the limit",
+                self._open,
+                self._fd_limit,
+            )
+
+
+def pending_bound(configured: int, fd_limit: int | None, fds_in_use: int) -> int:
+    """``limits.max_pending_connections``, but at most half the descriptors
+    left at start: sockets that never send a request can then not exhaust them."""
+    if fd_limit is None:
+        return configured
+    half = max(16, (fd_limit - fds_in_use) // 2)
+    if half >= configured:
+        return configured
+    log.info(
+        "limits.max_pending_connections %d lowered to %d: half the open file limit "
+        "(RLIMIT_NOFILE %d) left at start",
+        configured, half, fd_limit,
+    )  # fmt: skip
+    return half
+
+
+def accept_error_handler(previous: Any) -> Any:
+    """A loop exception handler that logs running out of file descriptors on
+    accept as one throttled line; everything else goes to ``previous`` (the
+    loop's default handler when None)."""
+    throttled = Throttled(log, logging.WARNING)
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in _FD_ERRNOS:
+            throttled.event(
+                "cannot accept a connection: %s; new connections wait or are refused until "
+                "descriptors are freed (raise RLIMIT_NOFILE or set limits.max_connections)",
+                exc.strerror,
+            )
+            return
+        if previous is None:
+            loop.default_exception_handler(context)
+        else:
+            previous(loop, context)
+
+    return handle

@@ -34,7 +34,7 @@ from aiohttp import web
 
 from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
-from aserve.frontends.generate import Route, header_timeout, read_json_object, usage
+from aserve.frontends.generate import Route, read_json_object, timeout_for, usage
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.generation import GenerationRuntime, generation_runtime
@@ -183,7 +183,7 @@ class OpenAIApi:
             seq = await runtime.prepare(
                 parsed.params, prompt=parsed.prompt, messages=parsed.messages
             )
-            req = runtime.generate(seq, header_timeout(request))
+            req = runtime.generate(seq, timeout_for(request, runtime))
         except AserveError as exc:
             return error_response(exc)
         prefix = "chatcmpl-" if chat else "cmpl-"

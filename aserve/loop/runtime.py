@@ -22,6 +22,7 @@ from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit, cuda_in
 from aserve.frontends.auth import ApiKeys, load_api_keys
 from aserve.frontends.grpc import GrpcFrontend
 from aserve.frontends.http import HttpFrontend
+from aserve.loop.fd_limit import raise_open_file_limit
 from aserve.loop.limits import Admission
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
@@ -106,6 +107,7 @@ class Server:
     async def run(self) -> None:
         """Start, serve until SIGINT/SIGTERM, then drain and stop."""
         self._stop_requested = asyncio.Event()
+        raise_open_file_limit()  # before any model or listener takes descriptors
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
