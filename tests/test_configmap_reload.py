@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,22 @@ async def _until(condition: Any, timeout: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
         await asyncio.sleep(0.01)
+
+
+def test_a_swapped_in_file_is_a_change_even_with_the_same_size_and_mtime(tmp_path):
+    """A ConfigMap update may bring a file of the same size (one value changed) whose
+    mtime matches the old one's (a copy that kept it): the inode still tells them apart."""
+    from aserve.config import read_config
+    from aserve.loop.reload import _fingerprint
+
+    configmap = ConfigMapDir(tmp_path / "etc-aserve")
+    configmap.write({"config.json": b'{"drain_timeout_s": 1}'})
+    path = configmap.mount / "config.json"
+    before = _fingerprint(path)
+    stat = path.stat()
+    configmap.write({"config.json": b'{"drain_timeout_s": 2}'})
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert _fingerprint(path) != before
+    # Relative paths resolve against the mount folder, which outlives every update.
+    assert read_config(path)[1] == configmap.mount
