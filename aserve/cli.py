@@ -10,7 +10,8 @@ from pathlib import Path
 
 from aserve import __version__
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.json"
+# Package data, so that an installed wheel has it (configs/default.json links to it).
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "default_config.json"
 
 log = logging.getLogger("aserve")
 
@@ -23,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
         "--config",
         type=Path,
         default=None,
-        help="JSON config file (default: the embedded configs/default.json)",
+        help="JSON config file (default: the embedded one, the builtin affine model)",
     )
     p.add_argument("--port", type=int, default=None, help="override http.port from the config")
     p.add_argument("--host", default=None, help="override http.host from the config")

@@ -435,7 +435,9 @@ def read_config(path: str | Path) -> tuple[ServerConfig, Path, bytes]:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-    return parse_config(data, source=str(path)), path.resolve().parent, raw
+    # The folder of the path as given, symlinks kept: a Kubernetes ConfigMap's file is a
+    # symlink into a timestamped folder that the next update deletes.
+    return parse_config(data, source=str(path)), path.absolute().parent, raw
 
 
 def check_model_files(config: ServerConfig, base_dir: Path) -> None:

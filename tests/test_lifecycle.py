@@ -84,12 +84,14 @@ def test_default_config_serves_the_builtin_model(tmp_path):
         port, lines = None, []
         deadline = time.monotonic() + 60
         assert proc.stderr is not None
-        while port is None and time.monotonic() < deadline:
+        ready = False
+        while not ready and time.monotonic() < deadline:  # listening, then loading: ready
             line = proc.stderr.readline()
             lines.append(line)
             if "listening on http://" in line:
                 port = int(line.rsplit(":", 1)[1])
-        assert port is not None, "".join(lines)
+            ready = "ready: 1 model(s) serving" in line
+        assert port is not None and ready, "".join(lines)
         assert any("model affine/1 loaded" in line for line in lines)
         x = np.arange(16, dtype=np.float32)
 

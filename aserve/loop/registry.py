@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from aserve.errors import NotFound
+from aserve.errors import NotFound, Unavailable
 from aserve.loop.model import ModelRuntime
 
 # (name, version) for an exact version; (name, None) for the highest version.
@@ -26,11 +26,16 @@ class ModelRegistry:
         self._routes: dict[_Key, ModelRuntime] = {}
         # Every routed runtime, in the order they were added (unload goes in reverse).
         self._runtimes: tuple[ModelRuntime, ...] = ()
+        # While the server starts (listening, models loading), a model not routed
+        # yet may be one still loading: not ready (503), rather than unknown (404).
+        self.starting = False
 
     def get(self, name: str, version: str | None = None) -> ModelRuntime:
         runtime = self._routes.get((name, version or None))
         if runtime is not None:
             return runtime
+        if self.starting:
+            raise Unavailable(f"model '{name}' is not ready: the server is starting")
         if (name, None) not in self._routes:
             raise NotFound(f"unknown model '{name}'")
         have = ", ".join(self.versions(name))

@@ -191,7 +191,7 @@ class Reloader:
     # --- the config file ------------------------------------------------------
 
     async def _watch(self, source: ConfigSource) -> None:
-        """Poll the file's (mtime, size); on a change, check its content."""
+        """Poll the file (inode, mtime, size); on a change, check its content."""
         last = await asyncio.to_thread(_fingerprint, source.path)
         await self.check("startup")  # a change between reading the config and now
         while True:
@@ -448,12 +448,14 @@ def _describe(changes: Changes) -> str:
     return "; ".join(f"{k} {', '.join(v)}" for k, v in changes.as_dict().items() if v)
 
 
-def _fingerprint(path: Path) -> tuple[int, int] | None:
+def _fingerprint(path: Path) -> tuple[int, int, int, int] | None:
+    """What the file the path leads to looks like, symlinks followed: a ConfigMap
+    update swaps in a new file (another inode) behind the same path."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_mtime_ns, st.st_size)
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _differences(old: Any, new: Any, prefix: str) -> list[str]:

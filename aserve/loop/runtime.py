@@ -1,6 +1,7 @@
 """The server's lifecycle: starting -> ready -> draining -> stopped.
 
-Startup loads and warms every model before readiness turns true. SIGINT or
+Startup binds the listeners first, then loads and warms every model before
+readiness turns true. SIGINT or
 SIGTERM starts a graceful stop: readiness turns false, the listeners close,
 in-flight requests finish (bounded by ``drain_timeout_s``), then the models
 unload in reverse order of loading. A second signal skips the wait.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -64,6 +66,7 @@ class Server:
         self.grpc = GrpcFrontend(self) if config.grpc is not None else None
         self._stop_requested: asyncio.Event | None = None
         self._cache_releaser: asyncio.Task[None] | None = None
+        self._listening = False  # both frontends' sockets are bound
 
     def not_ready_reason(self) -> str | None:
         """Why the server is not ready, or None when it is."""
@@ -73,7 +76,9 @@ class Server:
         return f"model(s) not ready: {', '.join(down)}" if down else None
 
     async def start(self) -> None:
-        """Load and warm every model, then open the listeners."""
+        """Open the listeners, then load and warm every model; ready after that."""
+        self.registry.starting = True
+        await self._listen()
         self._apply_gpu_settings()
         runtimes = [
             create_runtime(m, self.base_dir, self.registry, self.config.gpu)
@@ -87,22 +92,35 @@ class Server:
         ]
         if failed:
             await asyncio.gather(*(rt.unload() for rt in runtimes), return_exceptions=True)
-            raise StartupError("\n".join(failed))
+            raise StartupError("\n".join(failed))  # run() closes the listeners
         self.registry.swap(add=runtimes)
-        try:
-            await self.http.start()
-            if self.grpc is not None:
-                await self.grpc.start()
-        except OSError as exc:
-            await self.http.stop()
-            await self._unload_all()
-            raise StartupError(f"cannot listen: {exc}") from None
+        self.registry.starting = False
         self.state = ServerState.READY
         self.metrics.start()
         if self.grpc is not None:
             await self.grpc.update_health()
         self.reloader.start()
         log.info("ready: %d model(s) serving", len(self.registry))
+
+    async def _listen(self) -> None:
+        """Bind and keep every listening socket before any model loads: an address in
+        use fails in a moment, not after minutes of loading, and no other process can
+        take the port meanwhile. Until the models are ready, /v2/health/live answers
+        200, /v2/health/ready and gRPC health say not ready, and inference answers 503."""
+        http = self.config.http
+        try:
+            await self.http.start()
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            where = f"[{http.host}]" if ":" in http.host else http.host
+            raise StartupError(f"HTTP cannot listen on {where}:{http.port}: {reason}") from None
+        if self.grpc is not None:
+            try:
+                await self.grpc.start()
+            except OSError as exc:  # it names the address
+                await self.http.stop()
+                raise StartupError(str(exc)) from None
+        self._listening = True
 
     async def run(self) -> None:
         """Start, serve until SIGINT/SIGTERM, then drain and stop."""
@@ -131,10 +149,10 @@ class Server:
     async def stop(self) -> None:
         if self.state is ServerState.STOPPED:
             return
-        was_serving = self.state is ServerState.READY
+        listening = self._listening  # from the start: see _listen
         self.state = ServerState.DRAINING
         await self.reloader.stop_watching()
-        if was_serving:
+        if listening:
             # Each frontend closes its listeners, then waits for its in-flight
             # calls (their requests are still being batched: models stay
             # loaded until after). gRPC health turns NOT_SERVING first thing.
