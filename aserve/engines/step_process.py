@@ -292,20 +292,24 @@ def _serve(conn: Connection, engine: DecoderEngine, releaser: CacheReleaser | No
             seq = seqs.pop(key, None)
             if seq is not None:
                 engine.free(seq)
+        # A new sequence that cannot be built fails alone; the step runs for the rest.
         new: list[Sequence] = []
+        built: dict[int, Sequence | str] = {}
+        for key, request_id, prompt_ids, params, max_tokens, stop_ids in new_specs:
+            try:
+                seq = engine.build_sequence(
+                    request_id, prompt_ids, _params(params), max_tokens, stop_ids
+                )
+            except Exception as exc:
+                built[key] = f"{type(exc).__name__}: {exc}"
+                continue
+            built[key] = seqs[key] = seq
+            new.append(seq)
         new_keys = [spec[0] for spec in new_specs]
         try:
-            for key, request_id, prompt_ids, params, max_tokens, stop_ids in new_specs:
-                p = SamplingParams(*params)  # msgpack brings the tuples back as lists
-                p = dataclasses.replace(
-                    p, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids)
-                )
-                seq = engine.build_sequence(request_id, prompt_ids, p, max_tokens, stop_ids)
-                seqs[key] = seq
-                new.append(seq)
             running = [_lookup(seqs, k) for k in running_keys]
             t0 = perf()
-            outputs = engine.step(new, running)
+            outputs = iter(engine.step(new, running))
             infer_ns = perf() - t0
         except Exception as exc:
             for key in new_keys:  # the step gave their slots back; the parent forgets them too
@@ -315,7 +319,12 @@ def _serve(conn: Connection, engine: DecoderEngine, releaser: CacheReleaser | No
             conn.send_bytes(msgpack.packb(("error", f"{type(exc).__name__}: {exc}")))
             continue
         answer = []
-        for key, out in zip([*new_keys, *running_keys], outputs, strict=True):
+        for key in [*new_keys, *running_keys]:
+            failed = built.get(key)
+            if isinstance(failed, str):
+                answer.append((-1, "", True, None, 0, 0, failed, "invalid_argument"))
+                continue
+            out = next(outputs)
             if out.finished:
                 seqs.pop(key, None)
             answer.append(
@@ -326,11 +335,19 @@ def _serve(conn: Connection, engine: DecoderEngine, releaser: CacheReleaser | No
                     out.finish_reason,
                     out.prompt_tokens,
                     out.completion_tokens,
+                    out.error,
+                    out.error_code,
                 )
             )
         conn.send_bytes(msgpack.packb(("step", answer, infer_ns)))
         if releaser is not None:
             releaser.maybe()  # after answering: the release is off the step's latency
+
+
+def _params(fields: list[Any]) -> SamplingParams:
+    """SamplingParams from the wire (msgpack brings the tuples back as lists)."""
+    p = SamplingParams(*fields)
+    return dataclasses.replace(p, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids))
 
 
 def _lookup(seqs: dict[int, Sequence], key: int) -> Sequence:

@@ -23,7 +23,7 @@ import grpc
 from aserve._proto import aserve_pb2 as apb
 from aserve._proto import aserve_pb2_grpc as apb_grpc
 from aserve._proto import grpc_service_pb2 as pb
-from aserve.codecs.sampling import sampling_from_parameters
+from aserve.codecs.sampling import BadSetting, sampling_from_parameters, sampling_settings
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
 from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
@@ -145,14 +145,16 @@ def _prompt(request: apb.GenerateRequest) -> tuple[str | list[int] | None, list[
 
 
 def _sampling(s: apb.SamplingParameters) -> SamplingParams:
-    kw: dict[str, Any] = {"stop": tuple(s.stop), "ignore_eos": s.ignore_eos}
+    """The request's settings, within the bounds every route checks
+    (:func:`aserve.codecs.sampling.sampling_settings`): a double must be finite."""
+    given: dict[str, Any] = {"stop": list(s.stop) or None, "ignore_eos": s.ignore_eos}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         if s.HasField(name):
-            kw[name] = getattr(s, name)
-    if kw.get("max_tokens") == 0:
-        raise InvalidArgument("sampling.max_tokens: must be >= 1 (got 0)")
+            given[name] = getattr(s, name)
     try:
-        return SamplingParams(**kw)
+        return SamplingParams(**sampling_settings(given))
+    except BadSetting as exc:
+        raise InvalidArgument(f"sampling.{exc.param}: {exc.message}") from None
     except InvalidArgument as exc:
         raise InvalidArgument(f"sampling.{exc.message}") from None
 

@@ -27,9 +27,17 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from aserve.config import GenerationConfig
-from aserve.engines.decoder import Sequence
+from aserve.engines.decoder import Sequence, StepOutput
 from aserve.engines.step_executor import StepJob
-from aserve.errors import AserveError, DeadlineExceeded, InternalError, QueueFull, Unavailable
+from aserve.errors import (
+    AserveError,
+    DeadlineExceeded,
+    ErrorCode,
+    InternalError,
+    InvalidArgument,
+    QueueFull,
+    Unavailable,
+)
 from aserve.logs import CURRENT
 from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.stats import ModelStats
@@ -38,6 +46,12 @@ from aserve.streaming.channel import Delta, TokenChannel
 log = logging.getLogger("aserve.continuous")
 
 _ids = itertools.count(1)
+
+
+def _member_error(label: str, out: StepOutput) -> AserveError:
+    if out.error_code == ErrorCode.INVALID_ARGUMENT.value:
+        return InvalidArgument(f"model '{label}' refused the request: {out.error}")
+    return InternalError(f"model '{label}' failed: {out.error}")
 
 
 class Executor(Protocol):
@@ -239,7 +253,8 @@ class ContinuousBatcher:
         """End a waiting or running request with ``error``."""
         if req.state is State.RUNNING:
             del self._running[req.id]
-            self._to_free[req.id] = req
+            if req.holds_slot:
+                self._to_free[req.id] = req
         req.state = State.DONE
         req.channel.fail(error)
         self._stats.fail.add(int((self._clock() - req.arrival) * 1e9))
@@ -340,6 +355,9 @@ class ContinuousBatcher:
                     self._to_free.pop(req.id, None)
                 if req.state is not State.RUNNING:
                     continue  # cancelled or expired while the step ran: nobody reads it
+                if out.error is not None:  # this member failed alone; the others go on
+                    self._end(req, _member_error(self.label, out))
+                    continue
                 req.channel.push(out)
                 # One token per sequence per step: the first after the request
                 # arrived, the others after the previous step that gave one.

@@ -1,0 +1,167 @@
+"""Hostile generation requests on a real server: one request never hurts another.
+
+Attackers send sampling settings past their bounds on every generation route
+(OpenAI completions and chat, Triton generate, KServe ``/infer``, gRPC
+``ModelInfer`` parameters and ``Generate``) while greedy victims stream beside
+them in the same engine steps. Each attacker gets a 400 / ``INVALID_ARGUMENT``
+naming the setting; every victim completes, with the text it gets alone; the
+event loop never stalls (``stall_watch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import grpc
+import orjson
+import pytest
+from conftest import ServerProcess, start_server, write_config
+from gen_helpers import GENERATION
+from stall_watch import watch_loop
+
+from aserve._proto import aserve_pb2 as apb
+from aserve._proto import aserve_pb2_grpc as apb_grpc
+from aserve._proto import grpc_service_pb2 as pb
+from aserve._proto import grpc_service_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(120)
+
+VICTIMS = 6
+ROUNDS = 3
+VICTIM_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    import lm_models
+
+    gpt2 = lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
+    folder = tmp_path_factory.mktemp("gen-hostile")
+    model = {"name": "gpt2", "engine": "decoder", "path": str(gpt2), "generation": GENERATION}
+    server = start_server(write_config(folder, {"grpc": {"port": 0}, "models": [model]}))
+    yield server
+    server.stop()
+
+
+# --- attackers: (route, body or request, the setting the refusal must name) ---------------
+
+HUGE = 2**63
+HTTP_ATTACKS: list[tuple[str, dict[str, Any], str]] = [
+    ("/v1/completions", {"model": "gpt2", "prompt": "Hi", "top_k": HUGE}, "top_k"),
+    ("/v1/completions", {"model": "gpt2", "prompt": "Hi", "max_tokens": HUGE}, "max_tokens"),
+    ("/v1/completions", {"model": "gpt2", "prompt": "Hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"model": "gpt2", "prompt": "Hi", "stop": ["x" * 5000]}, "stop"),
+    (
+        "/v1/chat/completions",
+        {"model": "gpt2", "messages": [{"role": "user", "content": "Hi"}], "top_k": HUGE},
+        "top_k",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "gpt2",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            "max_completion_tokens": HUGE,
+        },
+        "max_completion_tokens",
+    ),
+    ("/v2/models/gpt2/generate", {"text_input": "Hi", "parameters": {"top_k": HUGE}}, "top_k"),
+    ("/v2/models/gpt2/generate_stream", {"text_input": "Hi", "top_k": HUGE}, "top_k"),
+    ("/v2/models/gpt2/generate", {"text_input": "Hi", "seed": 2**64 + 1}, "seed"),
+    ("/v2/models/gpt2/generate", {"text_input": "Hi", "temperature": 1e308}, "temperature"),
+    ("/v2/models/gpt2/generate", {"text_input": "Hi", "max_tokens": HUGE}, "max_tokens"),
+    (
+        "/v2/models/gpt2/infer",
+        {
+            "inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Hi"]}],
+            "parameters": {"top_k": HUGE},
+        },
+        "top_k",
+    ),
+]
+
+
+def _infer_request(params: dict[str, pb.InferParameter]) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="gpt2")
+    tensor = req.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    tensor.contents.bytes_contents.append(b"Hi")
+    for key, value in params.items():
+        req.parameters[key].CopyFrom(value)
+    return req
+
+
+GRPC_INFER_ATTACKS: list[tuple[pb.ModelInferRequest, str]] = [
+    (_infer_request({"top_k": pb.InferParameter(uint64_param=HUGE)}), "top_k"),
+    (_infer_request({"temperature": pb.InferParameter(double_param=math.nan)}), "temperature"),
+    (_infer_request({"top_p": pb.InferParameter(double_param=math.inf)}), "top_p"),
+    (_infer_request({"seed": pb.InferParameter(int64_param=-1)}), "seed"),
+]
+GRPC_GENERATE_ATTACKS: list[tuple[apb.SamplingParameters, str]] = [
+    (apb.SamplingParameters(temperature=math.nan), "temperature"),
+    (apb.SamplingParameters(temperature=-math.inf), "temperature"),
+    (apb.SamplingParameters(top_p=math.nan), "top_p"),
+    (apb.SamplingParameters(top_k=2**32 - 1), "top_k"),
+]
+
+
+async def _victim(session: aiohttp.ClientSession, base: str, prompt: str) -> str:
+    body = {"model": "gpt2", "prompt": prompt, "max_tokens": VICTIM_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    text = []
+    async with session.post(base + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                doc = orjson.loads(line[6:])
+                assert "error" not in doc, f"a victim failed: {doc}"
+                text.append(doc["choices"][0]["text"])
+    return "".join(text)
+
+
+async def _http_attacker(session: aiohttp.ClientSession, base: str) -> None:
+    for path, body, name in HTTP_ATTACKS:
+        async with session.post(base + path, json=body) as r:
+            text = await r.text()
+            assert r.status == 400, f"{path} {body}: {r.status} {text[:300]}"
+            assert name in text, f"{path}: the refusal does not name {name}: {text[:300]}"
+
+
+async def _grpc_attacker(target: str) -> None:
+    async with grpc.aio.insecure_channel(target) as channel:
+        infer = pb_grpc.GRPCInferenceServiceStub(channel)
+        for request, name in GRPC_INFER_ATTACKS:
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await infer.ModelInfer(request)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value
+            assert name in (exc.value.details() or "")
+        generate = apb_grpc.GenerationStub(channel)
+        for sampling, name in GRPC_GENERATE_ATTACKS:
+            request = apb.GenerateRequest(model_name="gpt2", prompt="Hi", sampling=sampling)
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                async for _ in generate.Generate(request):
+                    pass
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value
+            assert name in (exc.value.details() or "")
+
+
+async def test_out_of_bound_settings_are_refused_and_never_fail_a_neighbour(
+    srv: ServerProcess,
+) -> None:
+    prompts = [f"victim number {i} says" for i in range(VICTIMS)]
+    async with aiohttp.ClientSession() as session:
+        alone = [await _victim(session, srv.base, p) for p in prompts]
+        async with watch_loop(srv.base):
+            for _ in range(ROUNDS):
+                results = await asyncio.gather(
+                    *(_victim(session, srv.base, p) for p in prompts),
+                    _http_attacker(session, srv.base),
+                    _http_attacker(session, srv.base),
+                    _grpc_attacker(srv.grpc_url),
+                )
+                assert results[:VICTIMS] == alone
+    assert "Traceback" not in srv.log_text()
