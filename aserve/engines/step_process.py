@@ -23,8 +23,10 @@ The child owns the weights, the KV cache and every started sequence. It
 ignores SIGINT/SIGTERM (the server drains first, then stops it) and exits
 when the pipe closes, so it never outlives the server. If it dies, the step
 in flight fails, every sequence it held is ended (``on_lost``), and a new
-child is started; until it is up, steps fail at once and
-:attr:`ProcessStepExecutor.alive` is False (the model reports not ready).
+child is started; until it is up, :attr:`ProcessStepExecutor.alive` is False
+(the model reports not ready), the batcher submits no step and its waiting
+sequences stay queued, and ``on_back`` tells it when the new child is up.
+A step submitted anyway fails with ``not_run`` set: it never reached a child.
 """
 
 from __future__ import annotations
@@ -70,10 +72,16 @@ class StepProcessError(RuntimeError):
 class ProcessStepExecutor:
     """Runs one decoder engine's steps in a child process, in submission order."""
 
-    def __init__(self, args: WorkerArgs, on_lost: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        args: WorkerArgs,
+        on_lost: Callable[[BaseException], None],
+        on_back: Callable[[], None] | None = None,
+    ) -> None:
         self.args = args
         self.name = args.name
         self._on_lost = on_lost
+        self._on_back = on_back
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._channel: PipeChannel | None = None
@@ -123,6 +131,7 @@ class ProcessStepExecutor:
         channel = self._channel
         if channel is None or not self.alive:
             job.error = StepProcessError(f"the step process of '{self.name}' is restarting")
+            job.not_run = True
             self._finish(job)
             return
         free = [k for k in (self._keys.pop(s, None) for s in job.free) if k is not None]
@@ -145,9 +154,13 @@ class ProcessStepExecutor:
         self._job = job
         try:
             channel.send(msgpack.packb(("step", free, new, running)))
-        except OSError as exc:  # the child is gone; _on_readable sees the EOF next
+        except OSError as exc:  # the child is gone; _on_exit follows when the EOF is read
             self._job = None
+            self._up = False  # no more steps for it: the batcher waits for on_back
+            for s in job.new:
+                self._keys.pop(s, None)
             job.error = StepProcessError(f"the step process of '{self.name}' is gone: {exc}")
+            job.not_run = True
             self._finish(job)
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -248,6 +261,8 @@ class ProcessStepExecutor:
                 continue
             self.restarts += 1
             log.warning("step process of '%s' is back (restart %d)", self.name, self.restarts)
+            if self._on_back is not None:
+                self._on_back()
             return
 
 

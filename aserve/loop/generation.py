@@ -109,7 +109,9 @@ class GenerationRuntime:
                 str(path), c.generation.model_dump(), c.device, c.dtype, c.cpu_threads, self.name,
                 gpu=self.gpu.model_dump(),
             )  # fmt: skip
-            executor = ProcessStepExecutor(args, on_lost=self._on_sequences_lost)
+            executor = ProcessStepExecutor(
+                args, on_lost=self._on_sequences_lost, on_back=self._on_step_process_back
+            )
         else:
             await asyncio.to_thread(engine.load)
             executor = StepExecutor(engine, self.name)
@@ -139,6 +141,10 @@ class GenerationRuntime:
     def _on_sequences_lost(self, error: BaseException) -> None:
         if self.batcher is not None:
             self.batcher.fail_running(error)
+
+    def _on_step_process_back(self) -> None:
+        if self.batcher is not None:
+            self.batcher.resume()
 
     # --- requests ---------------------------------------------------------------
 
@@ -193,10 +199,11 @@ class GenerationRuntime:
     ) -> GenerationRequest:
         """Queue a prepared sequence: its stream, or a refusal at once
         (QueueFull when ``generation.max_queue_size`` are waiting, Unavailable
-        when the model is not ready)."""
-        if not self.ready or self.batcher is None:
-            why = self.state.value if self.state is not ModelState.READY else "restarting"
-            raise Unavailable(f"model '{self.label}' is not ready ({why})")
+        when the model is not loaded). While the step process restarts the
+        model reports not ready, but a request still queues for the new one,
+        bounded by its deadline and the queue's size."""
+        if self.state is not ModelState.READY or self.batcher is None:
+            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         return self.batcher.submit(sequence, len(sequence.prompt_ids), timeout, client_id)
 

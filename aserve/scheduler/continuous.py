@@ -55,6 +55,10 @@ def _member_error(label: str, out: StepOutput) -> AserveError:
 
 
 class Executor(Protocol):
+    @property
+    def alive(self) -> bool:
+        """False while the engine is being replaced (a step process restarting)."""
+
     def submit(self, job: StepJob) -> None: ...
 
 
@@ -276,6 +280,9 @@ class ContinuousBatcher:
         if self._in_flight is not None or self._closed:
             return
         now = self._clock()
+        if not self._executor.alive:
+            self._hold_queue(now)
+            return
         running = list(self._running.values())
         for r in running:
             if r.channel.full:
@@ -379,7 +386,41 @@ class ContinuousBatcher:
                 stats.record_batch(n, n, 0, job.infer_ns, time.perf_counter_ns() - t0)
         self._form_step()
 
+    def _hold_queue(self, now: float) -> None:
+        """The engine is being replaced: no step runs, waiting sequences stay
+        queued for it (``resume``), and leave only when their deadline passes."""
+        while self._waiting and self._waiting[0].deadline <= now:
+            w = self._waiting.pop(0)
+            self._stats.timed_out += 1
+            self._end(w, DeadlineExceeded(
+                f"generation timed out after {(now - w.arrival) * 1e3:.0f} ms waiting for "
+                f"'{self.label}' (its step process is restarting)"
+            ))  # fmt: skip
+        self._arm_timer(self._waiting[0].deadline if self._waiting else None)
+
+    def resume(self) -> None:
+        """The engine is back (a new step process is up): steps run again."""
+        self._kick()
+
+    def _requeue(self, reqs: list[GenerationRequest]) -> None:
+        """Sequences of a step that never reached the engine wait again, in order."""
+        for req in reqs:
+            if req.state is not State.RUNNING:
+                continue  # cancelled or expired meanwhile
+            del self._running[req.id]
+            if req.holds_slot:
+                req.holds_slot = False
+                self._slots_held -= 1
+            req.state = State.WAITING
+            bisect.insort(self._waiting, req)
+
     def _step_failed(self, job: StepJob, reqs: list[GenerationRequest]) -> None:
+        if job.not_run:
+            # Nothing ran: the new sequences never held anything in the engine,
+            # so they wait for it again; running ones are ended by fail_running
+            # when the engine reports them lost.
+            self._requeue(reqs[: len(job.new)])
+            return
         # The engine gave the new sequences' slots back; the running ones
         # still hold theirs and are freed at the next step.
         log.warning("step of %d sequence(s) on '%s' failed: %r", len(reqs), self.label, job.error)
@@ -411,7 +452,7 @@ class ContinuousBatcher:
 
     def fail_running(self, error: BaseException) -> None:
         """The engine lost every started sequence (its step process died):
-        end each running request; new ones are admitted as usual."""
+        end each running request; waiting ones stay queued for the new engine."""
         failure = InternalError(f"model '{self.label}' failed: {error}")
         for req in list(self._running.values()):
             self._end(req, failure)
