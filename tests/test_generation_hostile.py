@@ -165,3 +165,125 @@ async def test_out_of_bound_settings_are_refused_and_never_fail_a_neighbour(
                 )
                 assert results[:VICTIMS] == alone
     assert "Traceback" not in srv.log_text()
+
+
+# --- prompts too large to tokenize --------------------------------------------------------
+
+BIG = 20 * 2**20  # bytes of text: under limits.max_request_bytes, far over max_prompt_bytes
+BIG_IDS = 2_000_000
+RSS_SLACK = 384 * 2**20  # allocator caches; before, one 30 MB prompt kept ~4 GB
+ROUNDS_BIG = 3
+
+
+def _big_http() -> list[tuple[str, Any, int, str]]:
+    """Bodies far over the generation body limit (refused before parsing), and
+    bodies under it whose prompt is over its own limits (refused before tokenizing)."""
+    text = "word " * (BIG // 5)
+    ids = [1000 + i % 1000 for i in range(BIG_IDS)]  # no small-int cache: real objects
+    # KServe JSON tensors are decoded before the model sees them (not this test's case).
+    tensor = {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [text[: 2**20]]}
+    body = "max_prompt_bytes"
+    over = "é" * 2100  # 4200 bytes: over the 4096 of max_model_len 128, under the body limit
+    return [
+        ("/v1/completions", {"model": "gpt2", "prompt": text}, 413, body),
+        ("/v1/completions", {"model": "gpt2", "prompt": ids}, 413, body),
+        ("/v1/completions", {"model": "gpt2", "prompt": [ids]}, 413, body),
+        (
+            "/v1/chat/completions",
+            {"model": "gpt2", "messages": [{"role": "user", "content": text}]},
+            413,
+            body,
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "gpt2", "messages": [{"role": "user", "content": ""}] * 500_000},
+            413,
+            body,
+        ),
+        ("/v2/models/gpt2/generate", {"text_input": text}, 413, body),
+        ("/v2/models/gpt2/generate_stream", {"text_input": text}, 413, body),
+        ("/v1/completions", {"model": "gpt2", "prompt": over}, 413, "prompt: at least 4200"),
+        ("/v1/completions", {"model": "gpt2", "prompt": [7] * 5000}, 400, "max_model_len"),
+        (
+            "/v1/chat/completions",
+            {"model": "gpt2", "messages": [{"role": "user", "content": ""}] * 300},
+            413,
+            "messages: 300 message(s)",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "gpt2",
+                "stream": True,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 300}],
+            },
+            413,
+            "messages: 1 message(s)",
+        ),
+        ("/v2/models/gpt2/generate", {"text_input": over}, 413, "prompt: at least 4200"),
+        ("/v2/models/gpt2/infer", {"inputs": [tensor]}, 413, "max_prompt_bytes"),
+    ]
+
+
+async def _big_grpc(target: str) -> None:
+    text = "word " * (BIG // 5)
+    options = [("grpc.max_send_message_length", -1)]
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
+        generate = apb_grpc.GenerationStub(channel)
+        for request, code in [
+            (apb.GenerateRequest(model_name="gpt2", prompt=text), grpc.StatusCode.RESOURCE_EXHAUSTED),
+            (
+                apb.GenerateRequest(model_name="gpt2", prompt_token_ids=range(BIG_IDS)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+            (
+                apb.GenerateRequest(model_name="gpt2", messages=[apb.ChatMessage(role="user", content=text)]),
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ),
+        ]:  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                async for _ in generate.Generate(request):
+                    pass
+            assert exc.value.code() == code, exc.value
+            assert "max_" in (exc.value.details() or "")
+        infer = pb_grpc.GRPCInferenceServiceStub(channel)
+        req = pb.ModelInferRequest(model_name="gpt2")
+        tensor = req.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+        tensor.contents.bytes_contents.append(text.encode())
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await infer.ModelInfer(req)
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.value
+        assert "max_prompt_bytes" in (exc.value.details() or "")
+
+
+async def test_huge_prompts_are_refused_by_size_without_stalling_or_keeping_memory(
+    srv: ServerProcess,
+) -> None:
+    import psutil
+
+    server = psutil.Process(srv.proc.pid)
+    cases = _big_http()
+    bodies = [(path, orjson.dumps(doc), status, text) for path, doc, status, text in cases]
+    del cases
+    async with aiohttp.ClientSession() as session:
+        victim = "victim number 0 says"
+        alone = await _victim(session, srv.base, victim)
+        start_rss = server.memory_info().rss
+        async with watch_loop(srv.base):
+            for _ in range(2):
+                beside = asyncio.create_task(_victim(session, srv.base, victim))
+                for path, body, status, text in bodies:
+                    async with session.post(
+                        srv.base + path, data=body, headers={"Content-Type": "application/json"}
+                    ) as r:
+                        answer = await r.text()
+                        assert r.status == status, f"{path}: {r.status} {answer[:300]}"
+                        assert text in answer, f"{path}: {answer[:300]}"
+                await _big_grpc(srv.grpc_url)
+                assert await beside == alone
+        end_rss = server.memory_info().rss
+    assert end_rss - start_rss < RSS_SLACK, (
+        f"the server kept {(end_rss - start_rss) / 2**20:.0f} MiB "
+        f"({start_rss / 2**20:.0f} -> {end_rss / 2**20:.0f} MiB)"
+    )
+    print(f"\nserver RSS {start_rss / 2**20:.0f} -> {end_rss / 2**20:.0f} MiB")

@@ -27,10 +27,10 @@ from aiohttp import web
 
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.validate import request_timeout
-from aserve.errors import AserveError, ErrorCode, InvalidArgument
+from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge
 from aserve.frontends.http import error_response, read_body
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
-from aserve.loop.generation import generation_runtime
+from aserve.loop.generation import generation_body_limit, generation_runtime
 from aserve.streaming.channel import Delta
 from aserve.streaming.sse import SseResponse
 
@@ -46,9 +46,18 @@ Route = Callable[[str, str, Any], None]
 # --- shared by the HTTP generation routes -------------------------------------
 
 
-async def read_json_object(request: web.Request) -> dict[str, Any]:
-    """The request body as a JSON object, or :class:`InvalidArgument` / :class:`TooLarge`."""
+async def read_json_object(request: web.Request, limit_bytes: int | None = None) -> dict[str, Any]:
+    """The request body as a JSON object, or :class:`InvalidArgument` / :class:`TooLarge`.
+
+    A body over ``limit_bytes`` is refused before it is read (by its
+    Content-Length) or parsed: parsing runs on the loop.
+    """
+    declared = request.content_length
+    if limit_bytes is not None and declared is not None and declared > limit_bytes:
+        raise _body_too_large(declared, limit_bytes)
     body = await read_body(request)
+    if limit_bytes is not None and len(body) > limit_bytes:
+        raise _body_too_large(len(body), limit_bytes)
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -56,6 +65,13 @@ async def read_json_object(request: web.Request) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise InvalidArgument("request body must be a JSON object")
     return doc
+
+
+def _body_too_large(size: int, limit: int) -> TooLarge:
+    return TooLarge(
+        f"request body: {size} bytes, over the limit of a generation request to this model "
+        f"({limit} bytes: 8 x generation.max_prompt_bytes + 64 KiB)"
+    )
 
 
 def header_timeout(request: web.Request) -> float | None:
@@ -107,11 +123,12 @@ class TritonGenerate:
 
     async def _start(self, request: web.Request) -> tuple[Any, ...]:
         """Everything that can fail before the first byte: parse, validate, admit."""
-        doc = await read_json_object(request)
+        info = request.match_info
+        limit = generation_body_limit(self._server.registry, info["model"])
+        doc = await read_json_object(request, limit)
         # Routing is looked up after the last await before queueing (but for a
         # long prompt's tokenizing, which the runtime counts as busy): a runtime
         # that a reload takes out of routing is drained and unloaded once idle.
-        info = request.match_info
         runtime = generation_runtime(self._server.registry, info["model"], info.get("version"))
         request[RUNTIME_KEY] = runtime
         client_id = doc.get("id")

@@ -62,6 +62,23 @@ def _as_error(exc: Exception, what: str) -> AserveError:
     return InternalError(f"internal error: {exc!r}")
 
 
+def _status(exc: Exception, what: str) -> tuple[str, grpc.StatusCode, str]:
+    """How a call ends for ``exc``: its error code, gRPC status and message."""
+    error = _as_error(exc, what)
+    return error.code.value, GRPC_STATUS[error.code], error.message
+
+
+def _end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End the call with ``code`` once the handler returns.
+
+    Not ``context.abort()``: grpc.aio keeps its exception in a reference
+    cycle with the handler's frame, and so with the request (megabytes, for
+    a refused huge prompt) until the garbage collector runs.
+    """
+    context.set_code(code)
+    context.set_details(message)
+
+
 def _timeout(timeout_s: float | None, call_remaining: float | None) -> float | None:
     """The sooner of the request's own timeout and the call's deadline."""
     if call_remaining is None:
@@ -88,7 +105,8 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                 self._frontend.check_capacity()
             except AserveError as exc:
                 status = exc.code.value
-                await context.abort(GRPC_STATUS[exc.code], exc.message)
+                _end_call(context, GRPC_STATUS[exc.code], exc.message)
+                return
             with self._frontend.serving(), self._server.admission:
                 try:
                     runtime = generation_runtime(
@@ -103,21 +121,21 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                         seq, _timeout(own, context.time_remaining()), request.id or None
                     )
                 except Exception as exc:  # CancelledError is not an Exception: it propagates
-                    error = _as_error(exc, "Generate")
-                    status = error.code.value
-                    await context.abort(GRPC_STATUS[error.code], error.message)
+                    status, code, message = _status(exc, "Generate")
+                    _end_call(context, code, message)
+                    return
                 async with req:
                     try:
                         async for delta in req:
                             yield _response(request.id, delta)
                     except Exception as exc:
-                        error = _as_error(exc, "Generate")
-                        status = error.code.value
-                        await context.abort(GRPC_STATUS[error.code], error.message)
+                        status, code, message = _status(exc, "Generate")
+                        _end_call(context, code, message)
+                        return
                 status = OK
         except AserveError as exc:  # refused by the admission (limits.max_concurrency)
             status = exc.code.value
-            await context.abort(GRPC_STATUS[exc.code], exc.message)
+            _end_call(context, GRPC_STATUS[exc.code], exc.message)
         finally:
             self._server.metrics.requests.record(runtime, "grpc", status, started)
 
@@ -140,7 +158,8 @@ def _prompt(request: apb.GenerateRequest) -> tuple[str | list[int] | None, list[
     if request.messages:
         return None, [{"role": m.role, "content": m.content} for m in request.messages]
     if request.prompt_token_ids:
-        return list(request.prompt_token_ids), None
+        # The repeated field itself: prepare() checks its length before copying it.
+        return request.prompt_token_ids, None  # type: ignore[return-value]
     return request.prompt, None
 
 
@@ -200,7 +219,8 @@ async def answer_decoupled(
         )  # fmt: skip
         params = sampling_from_parameters(decoded.parameters)
         client_id = request.id or None
-        seq = await runtime.prepare(params, text_input(decoded.inputs), client_id=client_id)
+        prompt = text_input(decoded.inputs, runtime.generation.prompt_bytes_limit)
+        seq = await runtime.prepare(params, prompt, client_id=client_id)
         req = runtime.generate(seq, _timeout(decoded.timeout_s, call_remaining), client_id)
     except Exception as exc:
         error = _as_error(exc, "ModelStreamInfer")

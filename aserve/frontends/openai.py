@@ -38,7 +38,12 @@ from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.generate import Route, header_timeout, read_json_object, usage
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
 from aserve.frontends.status import HTTP_STATUS
-from aserve.loop.generation import GenerationRuntime, generation_runtime
+from aserve.loop.generation import (
+    GenerationRuntime,
+    generation_body_limit,
+    generation_runtime,
+)
+from aserve.loop.prompt_size import check_prompt_size
 from aserve.streaming.channel import Delta
 from aserve.streaming.sse import DONE, SseResponse
 
@@ -171,9 +176,8 @@ class OpenAIApi:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await read_json_object(request)
-            parsed = _parse(body, chat)
-            model = body["model"]
+            body = await read_json_object(request, generation_body_limit(self._server.registry))
+            model = _model(body)
             try:
                 runtime = generation_runtime(self._server.registry, model)
             except NotFound:
@@ -181,6 +185,12 @@ class OpenAIApi:
             except InvalidArgument as exc:
                 raise FieldError("model", exc.message) from None
             request[RUNTIME_KEY] = runtime
+            # The prompt's size before any per-token or per-message parsing.
+            if chat:
+                check_prompt_size(runtime.generation, messages=body.get("messages"))
+            else:
+                check_prompt_size(runtime.generation, prompt=body.get("prompt"))
+            parsed = _parse(body, chat)
             seq = await runtime.prepare(
                 parsed.params, prompt=parsed.prompt, messages=parsed.messages
             )
@@ -282,9 +292,7 @@ class _Parsed:
 def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
     """Validate the fields in OpenAI's terms; every error names its field."""
     out = _Parsed()
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise FieldError("model", "is required (a model name from /v1/models)")
+    _model(body)
     if chat:
         out.messages = _messages(body.get("messages"))
     else:
@@ -328,6 +336,13 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
             raise FieldError(name, f"must be a number from -2 to 2 (got {v!r})")
     out.params = SamplingParams(**kw)
     return out
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise FieldError("model", "is required (a model name from /v1/models)")
+    return model
 
 
 def _refuse(body: dict[str, Any], chat: bool) -> None:

@@ -149,15 +149,16 @@ class DecoderEngine:
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidArgument("prompt: is empty (no tokens)")
-        vocab = self.spec.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgument(f"prompt: token id {bad} is out of range (vocabulary {vocab})")
+        # The length first: the per-token check below then costs at most max_model_len.
         if len(ids) >= gen.max_model_len:
             raise SequenceTooLong(
                 f"prompt: {len(ids)} tokens leave no room to generate within "
                 f"max_model_len ({gen.max_model_len})"
             )
+        vocab = self.spec.vocab_size
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"prompt: token id {bad!r} is out of range (vocabulary {vocab})")
         wanted = gen.max_tokens_default if params.max_tokens is None else params.max_tokens
         if wanted > gen.max_tokens_cap:
             raise InvalidArgument(
