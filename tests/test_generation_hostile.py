@@ -20,7 +20,7 @@ import grpc
 import orjson
 import pytest
 from conftest import ServerProcess, start_server, write_config
-from gen_helpers import GENERATION
+from gen_helpers import GENERATION, wait_gen
 from stall_watch import watch_loop
 
 from aserve._proto import aserve_pb2 as apb
@@ -287,3 +287,105 @@ async def test_huge_prompts_are_refused_by_size_without_stalling_or_keeping_memo
         f"({start_rss / 2**20:.0f} -> {end_rss / 2**20:.0f} MiB)"
     )
     print(f"\nserver RSS {start_rss / 2**20:.0f} -> {end_rss / 2**20:.0f} MiB")
+
+
+# --- overload: more streams than slots plus queue, clients that retry at once ------------
+
+
+def _sse_text(raw: str) -> str:
+    """The text of an OpenAI completion stream; it must end with [DONE] and hold no error."""
+    assert raw.endswith("data: [DONE]\n\n"), raw[-300:]
+    docs = [orjson.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    assert all("error" not in d for d in docs), raw[-300:]
+    return "".join(d["choices"][0]["text"] for d in docs)
+
+
+STORM_CLIENTS = 12
+STORM_ROUNDS = 20
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """gpt2 with 2 KV-cache slots and 2 places in its queue."""
+    import lm_models
+
+    gpt2 = lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
+    folder = tmp_path_factory.mktemp("gen-overload")
+    generation = {**GENERATION, "max_num_seqs": 2, "max_queue_size": 2}
+    model = {"name": "gpt2", "engine": "decoder", "path": str(gpt2), "generation": generation}
+    server = start_server(write_config(folder, {"grpc": {"port": 0}, "models": [model]}))
+    yield server
+    server.stop()
+
+
+async def test_overflow_streams_get_429_at_once_and_admitted_streams_complete(
+    small: ServerProcess,
+) -> None:
+    """2 slots and 2 places in the queue, taken by a burst of 4 streams while
+    the step process is stopped: clients that resend the moment they are
+    answered all get 429 with Retry-After, and the loop stays live. Then the
+    step process goes on while the storm does; each admitted stream completes
+    with its whole text."""
+    base = small.base
+    body = {"model": "gpt2", "prompt": "storm", "max_tokens": 120, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+
+        async def stream() -> tuple[int, str, dict[str, str]]:
+            async with session.post(base + "/v1/completions", json=body) as r:
+                return r.status, await r.text(), dict(r.headers)
+
+        def gen(s: dict[str, Any]) -> tuple[int, int]:
+            return s["generation"]["running_sequence_count"], s["generation"][
+                "waiting_sequence_count"
+            ]
+
+        first = await stream()
+        assert first[0] == 200
+        want = _sse_text(first[1])
+        # The step process is stopped, so that the slots stay taken while the
+        # storm runs (its step in flight does not come back until SIGCONT).
+        (child,) = small.spawned_children()
+        child.suspend()
+        try:
+            # A burst that the slots and the queue can take is taken at once.
+            held = await asyncio.gather(
+                *(session.post(base + "/v1/completions", json=body) for _ in range(4))
+            )
+            # (1 running and 3 waiting when the first came alone, as the step
+            # in flight admits no more: still 4 taken, the slot's place kept.)
+            await wait_gen(session, base, "gpt2", lambda s: sum(gen(s)) == 4)
+        except BaseException:
+            child.resume()
+            raise
+        assert [r.status for r in held] == [200] * 4
+        reading, refused = asyncio.Event(), asyncio.Event()
+        answers: list[tuple[int, str, dict[str, str]]] = []
+        stormed: list[None] = []
+
+        async def reconnecting() -> None:  # sends again the moment it is answered
+            for _ in range(STORM_ROUNDS):
+                answers.append(await stream())
+                assert answers[-1][0] == 429, answers[-1][:2]  # the queue is full
+            stormed.append(None)
+            if len(stormed) == STORM_CLIENTS:
+                refused.set()
+            while not reading.is_set():
+                answers.append(await stream())
+
+        async with watch_loop(base):
+            storm = [asyncio.create_task(reconnecting()) for _ in range(STORM_CLIENTS)]
+            await refused.wait()
+            child.resume()
+            results = [_sse_text(await r.text()) for r in held]
+            reading.set()
+            await asyncio.gather(*storm)
+    assert results == [want] * 4  # the admitted streams are untouched
+    for status, text, headers in answers:
+        # Overflow is refused at once with Retry-After; one that found room (as
+        # an admitted stream ended) was served in full. Nothing else.
+        assert status in (200, 429), (status, text[:300])
+        if status == 429:
+            assert headers.get("Retry-After") == "1" and "max_queue_size" in text
+        else:
+            assert _sse_text(text) == want

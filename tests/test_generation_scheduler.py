@@ -316,3 +316,18 @@ async def test_a_step_that_never_reached_the_engine_requeues_its_new_sequences()
     assert ex.jobs[-1].new == ["a"]
     ex.answer(finished={"a"})
     assert (await a.collect())[0] == "<a>"
+
+
+async def test_a_burst_that_slots_and_queue_can_take_is_taken() -> None:
+    b, ex, _, stats = make(max_num_seqs=2, max_queue_size=2)
+    burst = [b.submit(str(i), 1, 60) for i in range(4)]  # type: ignore[arg-type]
+    with pytest.raises(QueueFull):  # 2 for the free slots + 2 queued, then full
+        b.submit("5", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    assert ex.jobs[-1].new == ["0", "1"] and b.waiting == 2
+    with pytest.raises(QueueFull):  # the slots are taken now: the queue alone counts
+        b.submit("6", 1, 60)  # type: ignore[arg-type]
+    ex.answer(finished={"0", "1"})
+    ex.answer(finished={"2", "3"})
+    assert [(await r.collect())[0] for r in burst] == ["<0>", "<1>", "<2>", "<3>"]
+    assert stats.rejected["queue_full"] == 2

@@ -223,7 +223,10 @@ class ContinuousBatcher:
         """Queue a prepared sequence, or raise at once (QueueFull / Unavailable)."""
         if self._closed:
             raise Unavailable(f"model '{self.label}' is unloading")
-        if len(self._waiting) >= self.max_queue_size:
+        # Sequences that the next step admits into free slots are not queued:
+        # a burst of max_num_seqs + max_queue_size is taken by an idle model.
+        free_slots = self.limits.max_num_seqs - (self._slots_held - len(self._to_free))
+        if len(self._waiting) >= self.max_queue_size + max(free_slots, 0):
             self._stats.rejected["queue_full"] += 1
             raise QueueFull(
                 f"model '{self.label}' queue is full: {len(self._waiting)} sequences waiting "
