@@ -184,3 +184,22 @@ async def test_killed_step_process_keeps_the_waiting_sequences_queued(
         assert len(two_slots.spawned_children()) == 1
         after = await wait_gen(session, base, "gpt2", idle)
         assert after["generation"]["kv_slots_in_use"] == 0
+
+
+def test_a_sequence_that_cannot_cross_the_pipe_is_refused_before_it_is_queued(
+    decoder_models: dict[str, Any],
+) -> None:
+    from aserve.engines.decoder import DecoderEngine, SamplingParams
+    from aserve.engines.step_process import ProcessStepExecutor, WorkerArgs
+    from aserve.errors import InvalidArgument
+
+    gpt2 = next(m for m in decoder_models["models"] if m["name"] == "gpt2")
+    engine = DecoderEngine(gpt2["path"])
+    engine.load_front()
+    executor = ProcessStepExecutor(
+        WorkerArgs(gpt2["path"], {}, "cpu", "float32", 1, "gpt2"), on_lost=lambda _: None
+    )
+    executor.check(engine.new_sequence("fine", "Hello", SamplingParams()))
+    bad = engine.new_sequence("\ud800", "Hello", SamplingParams())  # not UTF-8: msgpack refuses
+    with pytest.raises(InvalidArgument, match="cannot be sent to the step process"):
+        executor.check(bad)

@@ -98,6 +98,9 @@ class StepExecutor:
         """Steps can be submitted (the thread's queue always takes them)."""
         return True
 
+    def check(self, seq: Sequence) -> None:
+        """Whether ``seq`` can be stepped (a thread takes any sequence)."""
+
     def submit(self, job: StepJob) -> None:
         """Queue a step (loop side, never blocks)."""
         self._jobs.put(job)

@@ -48,6 +48,7 @@ from aserve.engines.decoder import DecoderEngine, SamplingParams, Sequence, Step
 from aserve.engines.gpu_memory import CacheReleaser
 from aserve.engines.pipe import PipeChannel, open_channel
 from aserve.engines.step_executor import StepJob
+from aserve.errors import InvalidArgument
 
 log = logging.getLogger("aserve.executor")
 
@@ -140,20 +141,22 @@ class ProcessStepExecutor:
             key = self._next_key
             self._next_key += 1
             self._keys[s] = key
-            new.append(
-                (
-                    key,
-                    s.request_id,
-                    s.prompt_ids,
-                    dataclasses.astuple(s.params),
-                    s.max_tokens,
-                    sorted(s.stop_token_ids),
-                )
-            )
+            new.append(_wire_spec(key, s))
         running = [self._keys[s] for s in job.running]
+        try:
+            payload = msgpack.packb(("step", free, new, running))
+        except (TypeError, ValueError, OverflowError) as exc:
+            # check() refuses such a sequence before it is queued; should one
+            # still get here, its step fails (every member) instead of leaving
+            # the batcher waiting for an answer that never comes.
+            for s in job.new:
+                self._keys.pop(s, None)
+            job.error = StepProcessError(f"a step of '{self.name}' cannot be sent: {exc}")
+            self._finish(job)
+            return
         self._job = job
         try:
-            channel.send(msgpack.packb(("step", free, new, running)))
+            channel.send(payload)
         except OSError as exc:  # the child is gone; _on_exit follows when the EOF is read
             self._job = None
             self._up = False  # no more steps for it: the batcher waits for on_back
@@ -162,6 +165,16 @@ class ProcessStepExecutor:
             job.error = StepProcessError(f"the step process of '{self.name}' is gone: {exc}")
             job.not_run = True
             self._finish(job)
+
+    def check(self, seq: Sequence) -> None:
+        """Refuse (InvalidArgument) a sequence that cannot cross the pipe, before
+        it is queued: found at ``submit``, it would fail its whole step."""
+        try:
+            msgpack.packb(_wire_spec(0, seq))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidArgument(
+                f"the request cannot be sent to the step process: {exc}"
+            ) from None
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Let the child finish its current step and exit."""
@@ -264,6 +277,18 @@ class ProcessStepExecutor:
             if self._on_back is not None:
                 self._on_back()
             return
+
+
+def _wire_spec(key: int, s: Sequence) -> tuple[Any, ...]:
+    """A new sequence as the child rebuilds it (:meth:`DecoderEngine.build_sequence`)."""
+    return (
+        key,
+        s.request_id,
+        s.prompt_ids,
+        dataclasses.astuple(s.params),
+        s.max_tokens,
+        sorted(s.stop_token_ids),
+    )
 
 
 # --- the child ---------------------------------------------------------------------------

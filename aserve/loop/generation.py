@@ -214,6 +214,8 @@ class GenerationRuntime:
         if self.state is not ModelState.READY or self.batcher is None:
             raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        if self._executor is not None:
+            self._executor.check(sequence)
         return self.batcher.submit(sequence, len(sequence.prompt_ids), timeout, client_id)
 
     async def infer(
