@@ -48,3 +48,12 @@ def test_a_chat_by_its_text_and_its_messages() -> None:
     with pytest.raises(TooLarge, match="messages: 1 message"):
         check_prompt_size(GEN, messages=[{"role": "user", "content": parts}])
     check_prompt_size(GEN, messages="not a list: the route's own validation refuses it")
+
+
+def test_a_grpc_chat_is_counted_as_it_comes() -> None:
+    from aserve._proto import aserve_pb2 as apb
+
+    request = apb.GenerateRequest()
+    request.messages.add(role="user", content="x" * LIMIT)
+    with pytest.raises(TooLarge, match="messages: 1 message"):
+        check_prompt_size(GEN, messages=request.messages)

@@ -25,6 +25,7 @@ from aserve._proto import aserve_pb2_grpc as apb_grpc
 from aserve._proto import grpc_service_pb2 as pb
 from aserve.codecs.sampling import BadSetting, sampling_from_parameters, sampling_settings
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
+from aserve.config import GenerationConfig
 from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
 from aserve.frontends.status import GRPC_STATUS
@@ -36,6 +37,7 @@ from aserve.loop.generation import (
     text_input,
     text_tensor,
 )
+from aserve.loop.prompt_size import check_prompt_size
 from aserve.metrics import OK
 from aserve.streaming.channel import Delta
 
@@ -112,7 +114,7 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                     runtime = generation_runtime(
                         self._server.registry, request.model_name, request.model_version
                     )
-                    prompt, messages = _prompt(request)
+                    prompt, messages = _prompt(request, runtime.generation)
                     seq = await runtime.prepare(
                         _sampling(request.sampling), prompt, messages, request.id or None
                     )
@@ -140,11 +142,16 @@ class GenerationServicer(apb_grpc.GenerationServicer):
             self._server.metrics.requests.record(runtime, "grpc", status, started)
 
 
-def _prompt(request: apb.GenerateRequest) -> tuple[str | list[int] | None, list[dict] | None]:
+def _prompt(
+    request: apb.GenerateRequest, gen: GenerationConfig
+) -> tuple[str | list[int] | None, list[dict] | None]:
+    """The request's one prompt, its size checked before it is copied out of the
+    message (a chat's messages are counted before a dict is made for each)."""
+    text = request.prompt  # each read of a string field makes a new str
     given = [
         name
         for name, present in (
-            ("prompt", bool(request.prompt)),
+            ("prompt", bool(text)),
             ("prompt_token_ids", bool(request.prompt_token_ids)),
             ("messages", bool(request.messages)),
         )
@@ -156,11 +163,12 @@ def _prompt(request: apb.GenerateRequest) -> tuple[str | list[int] | None, list[
             f"(got {', '.join(given) or 'none'})"
         )
     if request.messages:
+        check_prompt_size(gen, messages=request.messages)
         return None, [{"role": m.role, "content": m.content} for m in request.messages]
     if request.prompt_token_ids:
         # The repeated field itself: prepare() checks its length before copying it.
         return request.prompt_token_ids, None  # type: ignore[return-value]
-    return request.prompt, None
+    return text, None
 
 
 def _sampling(s: apb.SamplingParameters) -> SamplingParams:

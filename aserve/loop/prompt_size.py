@@ -62,7 +62,7 @@ def check_prompt_size(gen: GenerationConfig, prompt: Any = None, messages: Any =
             f"prompt: {len(prompt)} tokens leave no room to generate within "
             f"max_model_len ({gen.max_model_len})"
         )
-    if isinstance(messages, list):
+    if isinstance(messages, Sequence) and not isinstance(messages, str):
         size = chat_bytes(messages, limit)
         if size > limit:
             raise TooLarge(
@@ -83,7 +83,7 @@ def text_bytes(text: str, limit: int) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def chat_bytes(messages: list[Any], limit: int) -> int:
+def chat_bytes(messages: Sequence[Any], limit: int) -> int:
     """The chat's text bytes plus MESSAGE_BYTES per message and part; stops once
     over ``limit``, so that a body of a million empty messages costs little."""
     if len(messages) * MESSAGE_BYTES > limit:
@@ -91,7 +91,8 @@ def chat_bytes(messages: list[Any], limit: int) -> int:
     size = 0
     for m in messages:
         size += MESSAGE_BYTES
-        content = m.get("content") if isinstance(m, Mapping) else None
+        # A JSON object, or a gRPC ChatMessage.
+        content = m.get("content") if isinstance(m, Mapping) else getattr(m, "content", None)
         if isinstance(content, str):
             size += text_bytes(content, limit)
         elif isinstance(content, list):
