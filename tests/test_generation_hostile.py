@@ -225,11 +225,9 @@ def _big_http() -> list[tuple[str, Any, int, str]]:
     ]
 
 
-MANY_MESSAGES = apb.GenerateRequest(model_name="gpt2")
-MANY_MESSAGES.messages.extend([apb.ChatMessage(role="user")] * 1_000_000)  # ~8 MB
-
-
 async def _big_grpc(target: str) -> None:
+    many = apb.GenerateRequest(model_name="gpt2")
+    many.messages.extend([apb.ChatMessage(role="user")] * 1_000_000)  # ~8 MB
     text = "word " * (BIG // 5)
     options = [("grpc.max_send_message_length", -1)]
     async with grpc.aio.insecure_channel(target, options=options) as channel:
@@ -240,7 +238,7 @@ async def _big_grpc(target: str) -> None:
                 apb.GenerateRequest(model_name="gpt2", prompt_token_ids=range(BIG_IDS)),
                 grpc.StatusCode.INVALID_ARGUMENT,
             ),
-            (MANY_MESSAGES, grpc.StatusCode.RESOURCE_EXHAUSTED),  # counted before copied
+            (many, grpc.StatusCode.RESOURCE_EXHAUSTED),  # counted before copied
             (
                 apb.GenerateRequest(model_name="gpt2", messages=[apb.ChatMessage(role="user", content=text)]),
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
