@@ -30,7 +30,8 @@ from aserve.codecs.validate import request_timeout
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge
 from aserve.frontends.http import error_response, read_body
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
-from aserve.loop.generation import generation_body_limit, generation_runtime
+from aserve.loop.generation import generation_runtime
+from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES, body_limit
 from aserve.streaming.channel import Delta
 from aserve.streaming.sse import SseResponse
 
@@ -70,7 +71,8 @@ async def read_json_object(request: web.Request, limit_bytes: int | None = None)
 def _body_too_large(size: int, limit: int) -> TooLarge:
     return TooLarge(
         f"request body: {size} bytes, over the limit of a generation request to this model "
-        f"({limit} bytes: 8 x generation.max_prompt_bytes + 64 KiB)"
+        f"({limit} bytes: {BODY_BYTES_PER_PROMPT_BYTE} x generation.max_prompt_bytes "
+        f"+ {BODY_SLACK_BYTES // 1024} KiB)"
     )
 
 
@@ -124,12 +126,15 @@ class TritonGenerate:
     async def _start(self, request: web.Request) -> tuple[Any, ...]:
         """Everything that can fail before the first byte: parse, validate, admit."""
         info = request.match_info
-        limit = generation_body_limit(self._server.registry, info["model"])
-        doc = await read_json_object(request, limit)
-        # Routing is looked up after the last await before queueing (but for a
-        # long prompt's tokenizing, which the runtime counts as busy): a runtime
-        # that a reload takes out of routing is drained and unloaded once idle.
-        runtime = generation_runtime(self._server.registry, info["model"], info.get("version"))
+        registry = self._server.registry
+        # The model first: an unknown one is refused without reading the body,
+        # and its limits bound what is read and parsed.
+        runtime = generation_runtime(registry, info["model"], info.get("version"))
+        doc = await read_json_object(request, body_limit(runtime.generation))
+        # Routing is looked up again after the last await before queueing (but
+        # for a long prompt's tokenizing, which the runtime counts as busy): a
+        # runtime that a reload takes out of routing is drained and unloaded once idle.
+        runtime = generation_runtime(registry, info["model"], info.get("version"))
         request[RUNTIME_KEY] = runtime
         client_id = doc.get("id")
         if client_id is not None and not isinstance(client_id, str):

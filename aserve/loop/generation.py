@@ -34,7 +34,7 @@ from aserve.engines.step_executor import StepExecutor
 from aserve.engines.step_process import ProcessStepExecutor, WorkerArgs
 from aserve.errors import InvalidArgument, TooLarge, Unavailable
 from aserve.loop.model import ModelState
-from aserve.loop.prompt_size import body_limit, check_prompt_size
+from aserve.loop.prompt_size import BODY_SLACK_BYTES, body_limit, check_prompt_size
 from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
 from aserve.stats import ModelStats
 
@@ -326,16 +326,12 @@ def generation_runtime(
     return runtime
 
 
-def generation_body_limit(registry: ModelRegistry, name: str | None = None) -> int | None:
-    """Largest JSON body a generation route reads for model ``name`` (any
-    decoder model when None, for routes that name the model in the body);
-    None when there is no such model (the route's own lookup then refuses)."""
-    limits = [
-        body_limit(rt.generation)
-        for rt in registry
-        if isinstance(rt, GenerationRuntime) and (name is None or rt.name == name)
-    ]
-    return max(limits, default=None)
+def generation_body_limit(registry: ModelRegistry) -> int:
+    """Largest JSON body a route that names its model in the body (OpenAI's)
+    reads: the largest of the decoder models' limits (with none, just room
+    for a request that names no model, which is then refused)."""
+    limits = [body_limit(rt.generation) for rt in registry if isinstance(rt, GenerationRuntime)]
+    return max(limits, default=BODY_SLACK_BYTES)
 
 
 def text_input(inputs: Mapping[str, np.ndarray], limit_bytes: int | None = None) -> str:
