@@ -147,6 +147,12 @@ class PipelineStep(_Frozen):
     outputs: dict[str, str] = {}
 
 
+# Text per token of a prompt, for the default max_prompt_bytes: English runs about
+# 4 bytes a token, code and other scripts up to ~8; 32 leaves room for runs of
+# whitespace and long tokens while bounding what one request makes us tokenize.
+PROMPT_BYTES_PER_TOKEN = 32
+
+
 class GenerationConfig(_Frozen):
     """Capacity and limits of one decoder model (its ``"generation"`` block).
 
@@ -167,6 +173,11 @@ class GenerationConfig(_Frozen):
     is admitted whatever its length, so a long prompt is never starved."""
     max_queue_size: Annotated[int, Field(ge=1)] = 256
     """Sequences waiting for a KV-cache slot; past it a request is refused (429)."""
+    max_prompt_bytes: Annotated[int | None, Field(ge=1)] = None
+    """Largest prompt (UTF-8 bytes of its text, or of a chat's messages) that is
+    tokenized; a larger one is refused (413) before any tokenizing. None:
+    ``PROMPT_BYTES_PER_TOKEN`` x ``max_model_len``, more than any prompt that
+    fits in ``max_model_len`` tokens takes in practice."""
     timeout_ms: Annotated[float, Field(gt=0)] = 300_000.0
     """Deadline of a whole generation, waiting included, unless the request sets one."""
     stream_buffer_chunks: Annotated[int, Field(ge=1)] = 32
@@ -176,6 +187,11 @@ class GenerationConfig(_Frozen):
     """Run the engine's steps in a child process of its own (its own GIL), so
     the server's HTTP and gRPC work never slows a step down; false runs them
     on a thread of the server process (less memory, one process fewer)."""
+
+    @property
+    def prompt_bytes_limit(self) -> int:
+        """``max_prompt_bytes``, or what it defaults to."""
+        return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> GenerationConfig:

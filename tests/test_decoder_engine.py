@@ -290,3 +290,38 @@ def test_unloaded_engine_says_so(llama_dir: Path) -> None:
     engine.unload()
     with pytest.raises(RuntimeError, match="not loaded"):
         engine.new_sequence("r", "x", GREEDY)
+
+
+def test_a_member_that_breaks_the_step_fails_alone(llama_dir: Path) -> None:
+    """One sequence whose inputs break the batched forward (a token id past the
+    vocabulary, which only validation would have caught) fails on its own; the
+    new and the running ones beside it get the tokens they would get alone."""
+    engine = make_engine(llama_dir)
+    want = {t: engine.new_sequence(t, t, GREEDY) for t in TEXTS[:3]}
+    for seq in want.values():  # each alone, for the reference tokens
+        engine.step([seq])
+        engine.step([], [seq])
+        engine.free(seq)
+    running = engine.new_sequence("running", TEXTS[0], GREEDY)
+    engine.step([running])
+    fresh = engine.new_sequence("fresh", TEXTS[1], GREEDY)
+    vocab = engine.spec.vocab_size
+    bad = engine.build_sequence("bad", [1, vocab + 5], GREEDY, 4, ())
+    outs = engine.step([fresh, bad], [running])
+    assert [o.request_id for o in outs] == ["fresh", "bad", "running"]
+    assert outs[1].error is not None and outs[1].finished and outs[1].finish_reason is None
+    assert bad.slot is None  # its slot is free again
+    assert (outs[0].error, outs[2].error) == (None, None)
+    assert outs[0].token_id == want[TEXTS[1]].output_ids[0]
+    assert outs[2].token_id == want[TEXTS[0]].output_ids[1]
+    assert engine.num_free_slots == 4 - 2  # fresh and running hold theirs
+
+
+def test_a_top_k_past_the_vocabulary_does_not_overflow_the_step(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir)
+    huge = SamplingParams(temperature=1.0, top_k=2**63 - 1, seed=3)
+    seqs = [engine.new_sequence("k", TEXTS[0], huge), engine.new_sequence("g", TEXTS[1], GREEDY)]
+    outs = engine.step(seqs)
+    assert [o.error for o in outs] == [None, None]
+    with pytest.raises(InvalidArgument, match="top_k"):
+        SamplingParams(top_k=2**63)

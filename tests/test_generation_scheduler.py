@@ -61,6 +61,7 @@ class FakeExecutor:
 
     def __init__(self) -> None:
         self.jobs: list[StepJob] = []
+        self.alive = True
 
     def submit(self, job: StepJob) -> None:
         self.jobs.append(job)
@@ -250,3 +251,83 @@ async def test_channel_merges_what_is_buffered_and_is_bounded() -> None:
         await anext(ch)
     ch.push(outs[0])  # nothing is accepted after the last output
     assert ch.backlog == 0
+
+
+async def test_a_member_that_fails_alone_ends_alone() -> None:
+    b, ex, _, stats = make()
+    bad = b.submit("bad", 1, 60)  # type: ignore[arg-type]
+    good = b.submit("good", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    job = ex.jobs[-1]
+    job.outputs = [
+        StepOutput("bad", -1, "", True, None, 1, 0, error="IndexError: no", error_code="internal"),
+        StepOutput("good", 7, "<good>", True, "length", 1, 1),
+    ]
+    job.on_done(job)
+    with pytest.raises(InternalError, match="IndexError: no"):
+        await bad.collect()
+    text, _ = await good.collect()
+    assert text == "<good>" and b.idle and b.slots_held == 0
+    assert stats.success.count == 1 and stats.fail.count == 1
+
+
+async def test_waiting_sequences_wait_for_an_engine_that_is_being_replaced() -> None:
+    b, ex, clock, stats = make(max_num_seqs=1)
+    running = b.submit("run", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    short = b.submit("short", 1, 5)  # type: ignore[arg-type]
+    patient = b.submit("patient", 1, 60)  # type: ignore[arg-type]
+    ex.alive = False  # the step process died with "run" in it
+    b.fail_running(RuntimeError("the step process exited"))
+    ex.answer(error=RuntimeError("the step process exited"))  # the step in flight fails
+    late = b.submit("late", 1, 60)  # type: ignore[arg-type]  # arrivals queue too
+    await settle()
+    assert len(ex.jobs) == 1 and (b.waiting, b.running) == (3, 0)
+    with pytest.raises(InternalError, match="exited"):
+        await running.collect()
+    clock.now += 6  # "short" runs out of time while the engine is away
+    b._on_timer()
+    await settle()
+    with pytest.raises(DeadlineExceeded, match="restarting"):
+        await short.collect()
+    ex.alive = True
+    b.resume()
+    await settle()
+    assert ex.jobs[-1].new == ["patient"]
+    ex.answer(finished={"patient"})
+    assert ex.jobs[-1].new == ["late"]
+    ex.answer(finished={"late"})
+    assert [(await r.collect())[0] for r in (patient, late)] == ["<patient>", "<late>"]
+    assert b.idle and b.slots_held == 0 and stats.timed_out == 1
+
+
+async def test_a_step_that_never_reached_the_engine_requeues_its_new_sequences() -> None:
+    b, ex, _, _ = make()
+    a = b.submit("a", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    job = ex.jobs[-1]
+    job.error, job.not_run = RuntimeError("the step process is gone"), True
+    ex.alive = False
+    job.on_done(job)
+    assert (b.waiting, b.running, b.slots_held) == (1, 0, 0)
+    ex.alive = True
+    b.resume()
+    await settle()
+    assert ex.jobs[-1].new == ["a"]
+    ex.answer(finished={"a"})
+    assert (await a.collect())[0] == "<a>"
+
+
+async def test_a_burst_that_slots_and_queue_can_take_is_taken() -> None:
+    b, ex, _, stats = make(max_num_seqs=2, max_queue_size=2)
+    burst = [b.submit(str(i), 1, 60) for i in range(4)]  # type: ignore[arg-type]
+    with pytest.raises(QueueFull):  # 2 for the free slots + 2 queued, then full
+        b.submit("5", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    assert ex.jobs[-1].new == ["0", "1"] and b.waiting == 2
+    with pytest.raises(QueueFull):  # the slots are taken now: the queue alone counts
+        b.submit("6", 1, 60)  # type: ignore[arg-type]
+    ex.answer(finished={"0", "1"})
+    ex.answer(finished={"2", "3"})
+    assert [(await r.collect())[0] for r in burst] == ["<0>", "<1>", "<2>", "<3>"]
+    assert stats.rejected["queue_full"] == 2

@@ -206,8 +206,9 @@ def test_generation_metrics(decoder_server: ServerProcess) -> None:
     gpt2 = {"model": "gpt2", "version": "1"}
     total = "aserve_requests_total"
     assert delta(total, **gpt2, protocol="openai", status="ok") == 2
-    # Refused while parsing, before the model was looked up: no model label.
-    assert delta(total, model="", version="", protocol="openai", status="invalid_argument") == 1
+    # Refused while parsing, after the model was looked up (its limits bound the
+    # parsing): labelled with the model.
+    assert delta(total, **gpt2, protocol="openai", status="invalid_argument") == 1
     assert delta(total, **gpt2, protocol="http", status="ok") == 1
     assert delta(total, **gpt2, protocol="grpc", status="ok") == 1
     assert delta(total, **gpt2, protocol="grpc", status="invalid_argument") == 1

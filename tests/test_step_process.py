@@ -134,3 +134,75 @@ def test_weights_that_fail_in_the_child_fail_the_start_with_the_reason(
     assert done.returncode != 0
     assert "model 'gpt2/1' failed to load" in done.stderr
     assert "safetensorerror" in done.stderr.lower()  # the child's own reason
+
+
+@pytest.fixture
+def two_slots(decoder_models: dict[str, Any], tmp_path: Path) -> Iterator[ServerProcess]:
+    """gpt2 with its steps in a child process and 2 KV-cache slots."""
+    gpt2 = next(m for m in decoder_models["models"] if m["name"] == "gpt2")
+    generation = {**GENERATION, "max_num_seqs": 2, "stream_buffer_chunks": 1}
+    srv = start_server(write_config(tmp_path, {"models": [{**gpt2, "generation": generation}]}))
+    yield srv
+    srv.stop()
+
+
+async def test_killed_step_process_keeps_the_waiting_sequences_queued(
+    two_slots: ServerProcess,
+) -> None:
+    """Only the sequences the child held fail; those waiting for a slot, and
+    those arriving while the new child starts, are served by the new child."""
+    base = two_slots.base
+    prompts = [f"waiting number {i}" for i in range(4)]
+    async with aiohttp.ClientSession() as session:
+        want = {p: await complete(session, base, "gpt2", p) for p in [*prompts, "late one"]}
+        body = {"model": "gpt2", "prompt": "Hi", "max_tokens": 120, "stream": True}
+        body["ignore_eos"] = True
+        streams = [await session.post(base + "/v1/completions", json=body) for _ in range(2)]
+        for r in streams:  # both hold a slot; unread, they sit paused in it
+            assert r.status == 200
+            await r.content.readuntil(b"\n\n")
+        waiting = [asyncio.create_task(complete(session, base, "gpt2", p)) for p in prompts]
+        await wait_gen(
+            session, base, "gpt2", lambda s: s["generation"]["waiting_sequence_count"] == 4
+        )
+        (child,) = two_slots.spawned_children()
+        os.kill(child.pid, signal.SIGKILL)
+        for r in streams:  # the running ones fail, naming what happened
+            events = (await asyncio.wait_for(r.content.read(), 20)).split(b"\n\n")
+            docs = [orjson.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+            assert "step process" in docs[-1]["error"]["message"]
+            r.close()
+        # A request that arrives while the new child starts waits for it too.
+        deadline = time.monotonic() + 30
+        while True:
+            async with session.get(base + "/v2/models/gpt2/ready") as ready:
+                if ready.status != 200:
+                    break
+            assert not all(t.done() for t in waiting), "the child came back unseen"
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        late = asyncio.create_task(complete(session, base, "gpt2", "late one"))
+        got = await asyncio.wait_for(asyncio.gather(*waiting, late), 60)
+        assert got == [want[p] for p in [*prompts, "late one"]]
+        assert len(two_slots.spawned_children()) == 1
+        after = await wait_gen(session, base, "gpt2", idle)
+        assert after["generation"]["kv_slots_in_use"] == 0
+
+
+def test_a_sequence_that_cannot_cross_the_pipe_is_refused_before_it_is_queued(
+    decoder_models: dict[str, Any],
+) -> None:
+    from aserve.engines.decoder import DecoderEngine, SamplingParams
+    from aserve.engines.step_process import ProcessStepExecutor, WorkerArgs
+    from aserve.errors import InvalidArgument
+
+    gpt2 = next(m for m in decoder_models["models"] if m["name"] == "gpt2")
+    engine = DecoderEngine(gpt2["path"])
+    engine.load_front()
+    executor = ProcessStepExecutor(
+        WorkerArgs(gpt2["path"], {}, "cpu", "float32", 1, "gpt2"), on_lost=lambda _: None
+    )
+    executor.check(engine.new_sequence("fine", "Hello", SamplingParams()))
+    bad = engine.new_sequence("\ud800", "Hello", SamplingParams())  # not UTF-8: msgpack refuses
+    with pytest.raises(InvalidArgument, match="cannot be sent to the step process"):
+        executor.check(bad)

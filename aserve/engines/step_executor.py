@@ -30,11 +30,22 @@ class StepJob:
     ``free`` are sequences whose slots go back first (cancelled, expired, or
     left over from a failed step), so a step can reuse them at once. Then
     ``new`` are prefilled and ``running`` decoded; ``outputs`` has one entry
-    per sequence of ``new + running``, in that order, unless ``error`` is set.
+    per sequence of ``new + running``, in that order, unless ``error`` is set
+    (``not_run`` too when the step never reached the engine).
     ``tag`` is the submitter's own bookkeeping; the thread never reads it.
     """
 
-    __slots__ = ("error", "free", "infer_ns", "new", "on_done", "outputs", "running", "tag")
+    __slots__ = (
+        "error",
+        "free",
+        "infer_ns",
+        "new",
+        "not_run",
+        "on_done",
+        "outputs",
+        "running",
+        "tag",
+    )
 
     def __init__(
         self,
@@ -51,6 +62,7 @@ class StepJob:
         self.tag = tag
         self.outputs: list[StepOutput] = []
         self.error: BaseException | None = None
+        self.not_run = False  # with error: the step never reached the engine
         self.infer_ns = 0
 
 
@@ -80,6 +92,14 @@ class StepExecutor:
         )
         self._thread.start()
         await ready
+
+    @property
+    def alive(self) -> bool:
+        """Steps can be submitted (the thread's queue always takes them)."""
+        return True
+
+    def check(self, seq: Sequence) -> None:
+        """Whether ``seq`` can be stepped (a thread takes any sequence)."""
 
     def submit(self, job: StepJob) -> None:
         """Queue a step (loop side, never blocks)."""

@@ -23,8 +23,10 @@ The child owns the weights, the KV cache and every started sequence. It
 ignores SIGINT/SIGTERM (the server drains first, then stops it) and exits
 when the pipe closes, so it never outlives the server. If it dies, the step
 in flight fails, every sequence it held is ended (``on_lost``), and a new
-child is started; until it is up, steps fail at once and
-:attr:`ProcessStepExecutor.alive` is False (the model reports not ready).
+child is started; until it is up, :attr:`ProcessStepExecutor.alive` is False
+(the model reports not ready), the batcher submits no step and its waiting
+sequences stay queued, and ``on_back`` tells it when the new child is up.
+A step submitted anyway fails with ``not_run`` set: it never reached a child.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from aserve.engines.decoder import DecoderEngine, SamplingParams, Sequence, Step
 from aserve.engines.gpu_memory import CacheReleaser
 from aserve.engines.pipe import PipeChannel, open_channel
 from aserve.engines.step_executor import StepJob
+from aserve.errors import InvalidArgument
 
 log = logging.getLogger("aserve.executor")
 
@@ -70,10 +73,16 @@ class StepProcessError(RuntimeError):
 class ProcessStepExecutor:
     """Runs one decoder engine's steps in a child process, in submission order."""
 
-    def __init__(self, args: WorkerArgs, on_lost: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        args: WorkerArgs,
+        on_lost: Callable[[BaseException], None],
+        on_back: Callable[[], None] | None = None,
+    ) -> None:
         self.args = args
         self.name = args.name
         self._on_lost = on_lost
+        self._on_back = on_back
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: multiprocessing.process.BaseProcess | None = None
         self._channel: PipeChannel | None = None
@@ -123,6 +132,7 @@ class ProcessStepExecutor:
         channel = self._channel
         if channel is None or not self.alive:
             job.error = StepProcessError(f"the step process of '{self.name}' is restarting")
+            job.not_run = True
             self._finish(job)
             return
         free = [k for k in (self._keys.pop(s, None) for s in job.free) if k is not None]
@@ -131,24 +141,40 @@ class ProcessStepExecutor:
             key = self._next_key
             self._next_key += 1
             self._keys[s] = key
-            new.append(
-                (
-                    key,
-                    s.request_id,
-                    s.prompt_ids,
-                    dataclasses.astuple(s.params),
-                    s.max_tokens,
-                    sorted(s.stop_token_ids),
-                )
-            )
+            new.append(_wire_spec(key, s))
         running = [self._keys[s] for s in job.running]
+        try:
+            payload = msgpack.packb(("step", free, new, running))
+        except (TypeError, ValueError, OverflowError) as exc:
+            # check() refuses such a sequence before it is queued; should one
+            # still get here, its step fails (every member) instead of leaving
+            # the batcher waiting for an answer that never comes.
+            for s in job.new:
+                self._keys.pop(s, None)
+            job.error = StepProcessError(f"a step of '{self.name}' cannot be sent: {exc}")
+            self._finish(job)
+            return
         self._job = job
         try:
-            channel.send(msgpack.packb(("step", free, new, running)))
-        except OSError as exc:  # the child is gone; _on_readable sees the EOF next
+            channel.send(payload)
+        except OSError as exc:  # the child is gone; _on_exit follows when the EOF is read
             self._job = None
+            self._up = False  # no more steps for it: the batcher waits for on_back
+            for s in job.new:
+                self._keys.pop(s, None)
             job.error = StepProcessError(f"the step process of '{self.name}' is gone: {exc}")
+            job.not_run = True
             self._finish(job)
+
+    def check(self, seq: Sequence) -> None:
+        """Refuse (InvalidArgument) a sequence that cannot cross the pipe, before
+        it is queued: found at ``submit``, it would fail its whole step."""
+        try:
+            msgpack.packb(_wire_spec(0, seq))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidArgument(
+                f"the request cannot be sent to the step process: {exc}"
+            ) from None
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Let the child finish its current step and exit."""
@@ -248,7 +274,21 @@ class ProcessStepExecutor:
                 continue
             self.restarts += 1
             log.warning("step process of '%s' is back (restart %d)", self.name, self.restarts)
+            if self._on_back is not None:
+                self._on_back()
             return
+
+
+def _wire_spec(key: int, s: Sequence) -> tuple[Any, ...]:
+    """A new sequence as the child rebuilds it (:meth:`DecoderEngine.build_sequence`)."""
+    return (
+        key,
+        s.request_id,
+        s.prompt_ids,
+        dataclasses.astuple(s.params),
+        s.max_tokens,
+        sorted(s.stop_token_ids),
+    )
 
 
 # --- the child ---------------------------------------------------------------------------
@@ -292,20 +332,24 @@ def _serve(conn: Connection, engine: DecoderEngine, releaser: CacheReleaser | No
             seq = seqs.pop(key, None)
             if seq is not None:
                 engine.free(seq)
+        # A new sequence that cannot be built fails alone; the step runs for the rest.
         new: list[Sequence] = []
+        built: dict[int, Sequence | str] = {}
+        for key, request_id, prompt_ids, params, max_tokens, stop_ids in new_specs:
+            try:
+                seq = engine.build_sequence(
+                    request_id, prompt_ids, _params(params), max_tokens, stop_ids
+                )
+            except Exception as exc:
+                built[key] = f"{type(exc).__name__}: {exc}"
+                continue
+            built[key] = seqs[key] = seq
+            new.append(seq)
         new_keys = [spec[0] for spec in new_specs]
         try:
-            for key, request_id, prompt_ids, params, max_tokens, stop_ids in new_specs:
-                p = SamplingParams(*params)  # msgpack brings the tuples back as lists
-                p = dataclasses.replace(
-                    p, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids)
-                )
-                seq = engine.build_sequence(request_id, prompt_ids, p, max_tokens, stop_ids)
-                seqs[key] = seq
-                new.append(seq)
             running = [_lookup(seqs, k) for k in running_keys]
             t0 = perf()
-            outputs = engine.step(new, running)
+            outputs = iter(engine.step(new, running))
             infer_ns = perf() - t0
         except Exception as exc:
             for key in new_keys:  # the step gave their slots back; the parent forgets them too
@@ -315,7 +359,12 @@ def _serve(conn: Connection, engine: DecoderEngine, releaser: CacheReleaser | No
             conn.send_bytes(msgpack.packb(("error", f"{type(exc).__name__}: {exc}")))
             continue
         answer = []
-        for key, out in zip([*new_keys, *running_keys], outputs, strict=True):
+        for key in [*new_keys, *running_keys]:
+            failed = built.get(key)
+            if isinstance(failed, str):
+                answer.append((-1, "", True, None, 0, 0, failed, "invalid_argument"))
+                continue
+            out = next(outputs)
             if out.finished:
                 seqs.pop(key, None)
             answer.append(
@@ -326,11 +375,19 @@ def _serve(conn: Connection, engine: DecoderEngine, releaser: CacheReleaser | No
                     out.finish_reason,
                     out.prompt_tokens,
                     out.completion_tokens,
+                    out.error,
+                    out.error_code,
                 )
             )
         conn.send_bytes(msgpack.packb(("step", answer, infer_ns)))
         if releaser is not None:
             releaser.maybe()  # after answering: the release is off the step's latency
+
+
+def _params(fields: list[Any]) -> SamplingParams:
+    """SamplingParams from the wire (msgpack brings the tuples back as lists)."""
+    p = SamplingParams(*fields)
+    return dataclasses.replace(p, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids))
 
 
 def _lookup(seqs: dict[int, Sequence], key: int) -> Sequence:

@@ -27,11 +27,12 @@ from aiohttp import web
 
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.validate import request_timeout
-from aserve.errors import AserveError, ErrorCode, InvalidArgument
+from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge
 from aserve.frontends.http import MAX_TIMEOUT_KEY, error_response, read_body
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
 from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
 from aserve.loop.generation import GenerationRuntime, generation_runtime
+from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES, body_limit
 from aserve.streaming.channel import Delta
 from aserve.streaming.sse import SseResponse
 
@@ -46,9 +47,18 @@ Route = Callable[[str, str, Any], None]
 # --- shared by the HTTP generation routes -------------------------------------
 
 
-async def read_json_object(request: web.Request) -> dict[str, Any]:
-    """The request body as a JSON object, or :class:`InvalidArgument` / :class:`TooLarge`."""
+async def read_json_object(request: web.Request, limit_bytes: int | None = None) -> dict[str, Any]:
+    """The request body as a JSON object, or :class:`InvalidArgument` / :class:`TooLarge`.
+
+    A body over ``limit_bytes`` is refused before it is read (by its
+    Content-Length) or parsed: parsing runs on the loop.
+    """
+    declared = request.content_length
+    if limit_bytes is not None and declared is not None and declared > limit_bytes:
+        raise _body_too_large(declared, limit_bytes)
     body = await read_body(request)
+    if limit_bytes is not None and len(body) > limit_bytes:
+        raise _body_too_large(len(body), limit_bytes)
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -67,6 +77,14 @@ def timeout_for(
         (header_timeout_s(request.headers.get(TIMEOUT_HEADER)), param_timeout_s),
         runtime.default_timeout_s,
         request.app[MAX_TIMEOUT_KEY],
+    )
+
+
+def _body_too_large(size: int, limit: int) -> TooLarge:
+    return TooLarge(
+        f"request body: {size} bytes, over the limit of a generation request to this model "
+        f"({limit} bytes: {BODY_BYTES_PER_PROMPT_BYTE} x generation.max_prompt_bytes "
+        f"+ {BODY_SLACK_BYTES // 1024} KiB)"
     )
 
 
@@ -105,12 +123,16 @@ class TritonGenerate:
 
     async def _start(self, request: web.Request) -> tuple[Any, ...]:
         """Everything that can fail before the first byte: parse, validate, admit."""
-        doc = await read_json_object(request)
-        # Routing is looked up after the last await before queueing (but for a
-        # long prompt's tokenizing, which the runtime counts as busy): a runtime
-        # that a reload takes out of routing is drained and unloaded once idle.
         info = request.match_info
-        runtime = generation_runtime(self._server.registry, info["model"], info.get("version"))
+        registry = self._server.registry
+        # The model first: an unknown one is refused without reading the body,
+        # and its limits bound what is read and parsed.
+        runtime = generation_runtime(registry, info["model"], info.get("version"))
+        doc = await read_json_object(request, body_limit(runtime.generation))
+        # Routing is looked up again after the last await before queueing (but
+        # for a long prompt's tokenizing, which the runtime counts as busy): a
+        # runtime that a reload takes out of routing is drained and unloaded once idle.
+        runtime = generation_runtime(registry, info["model"], info.get("version"))
         request[RUNTIME_KEY] = runtime
         client_id = doc.get("id")
         if client_id is not None and not isinstance(client_id, str):

@@ -23,8 +23,9 @@ import grpc
 from aserve._proto import aserve_pb2 as apb
 from aserve._proto import aserve_pb2_grpc as apb_grpc
 from aserve._proto import grpc_service_pb2 as pb
-from aserve.codecs.sampling import sampling_from_parameters
+from aserve.codecs.sampling import BadSetting, sampling_from_parameters, sampling_settings
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
+from aserve.config import GenerationConfig
 from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
 from aserve.frontends.status import GRPC_STATUS
@@ -37,6 +38,7 @@ from aserve.loop.generation import (
     text_input,
     text_tensor,
 )
+from aserve.loop.prompt_size import check_prompt_size
 from aserve.metrics import OK
 from aserve.streaming.channel import Delta
 
@@ -63,6 +65,23 @@ def _as_error(exc: Exception, what: str) -> AserveError:
     return InternalError(f"internal error: {exc!r}")
 
 
+def _status(exc: Exception, what: str) -> tuple[str, grpc.StatusCode, str]:
+    """How a call ends for ``exc``: its error code, gRPC status and message."""
+    error = _as_error(exc, what)
+    return error.code.value, GRPC_STATUS[error.code], error.message
+
+
+def _end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End the call with ``code`` once the handler returns.
+
+    Not ``context.abort()``: grpc.aio keeps its exception in a reference
+    cycle with the handler's frame, and so with the request (megabytes, for
+    a refused huge prompt) until the garbage collector runs.
+    """
+    context.set_code(code)
+    context.set_details(message)
+
+
 class GenerationServicer(apb_grpc.GenerationServicer):
     """``aserve.v1.Generation``: server-streaming generation."""
 
@@ -82,13 +101,14 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                 self._frontend.check_capacity()
             except AserveError as exc:
                 status = exc.code.value
-                await context.abort(GRPC_STATUS[exc.code], exc.message)
+                _end_call(context, GRPC_STATUS[exc.code], exc.message)
+                return
             with self._frontend.serving(), self._server.admission:
                 try:
                     runtime = generation_runtime(
                         self._server.registry, request.model_name, request.model_version
                     )
-                    prompt, messages = _prompt(request)
+                    prompt, messages = _prompt(request, runtime.generation)
                     seq = await runtime.prepare(
                         _sampling(request.sampling), prompt, messages, request.id or None
                     )
@@ -100,30 +120,35 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                     )
                     req = runtime.generate(seq, timeout, request.id or None)
                 except Exception as exc:  # CancelledError is not an Exception: it propagates
-                    error = _as_error(exc, "Generate")
-                    status = error.code.value
-                    await context.abort(GRPC_STATUS[error.code], error.message)
+                    status, code, message = _status(exc, "Generate")
+                    _end_call(context, code, message)
+                    return
                 async with req:
                     try:
                         async for delta in req:
                             yield _response(request.id, delta)
                     except Exception as exc:
-                        error = _as_error(exc, "Generate")
-                        status = error.code.value
-                        await context.abort(GRPC_STATUS[error.code], error.message)
+                        status, code, message = _status(exc, "Generate")
+                        _end_call(context, code, message)
+                        return
                 status = OK
         except AserveError as exc:  # refused by the admission (limits.max_concurrency)
             status = exc.code.value
-            await context.abort(GRPC_STATUS[exc.code], exc.message)
+            _end_call(context, GRPC_STATUS[exc.code], exc.message)
         finally:
             self._server.metrics.requests.record(runtime, "grpc", status, started)
 
 
-def _prompt(request: apb.GenerateRequest) -> tuple[str | list[int] | None, list[dict] | None]:
+def _prompt(
+    request: apb.GenerateRequest, gen: GenerationConfig
+) -> tuple[str | list[int] | None, list[dict] | None]:
+    """The request's one prompt, its size checked before it is copied out of the
+    message (a chat's messages are counted before a dict is made for each)."""
+    text = request.prompt  # each read of a string field makes a new str
     given = [
         name
         for name, present in (
-            ("prompt", bool(request.prompt)),
+            ("prompt", bool(text)),
             ("prompt_token_ids", bool(request.prompt_token_ids)),
             ("messages", bool(request.messages)),
         )
@@ -135,21 +160,25 @@ def _prompt(request: apb.GenerateRequest) -> tuple[str | list[int] | None, list[
             f"(got {', '.join(given) or 'none'})"
         )
     if request.messages:
+        check_prompt_size(gen, messages=request.messages)
         return None, [{"role": m.role, "content": m.content} for m in request.messages]
     if request.prompt_token_ids:
-        return list(request.prompt_token_ids), None
-    return request.prompt, None
+        # The repeated field itself: prepare() checks its length before copying it.
+        return request.prompt_token_ids, None  # type: ignore[return-value]
+    return text, None
 
 
 def _sampling(s: apb.SamplingParameters) -> SamplingParams:
-    kw: dict[str, Any] = {"stop": tuple(s.stop), "ignore_eos": s.ignore_eos}
+    """The request's settings, within the bounds every route checks
+    (:func:`aserve.codecs.sampling.sampling_settings`): a double must be finite."""
+    given: dict[str, Any] = {"stop": list(s.stop) or None, "ignore_eos": s.ignore_eos}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         if s.HasField(name):
-            kw[name] = getattr(s, name)
-    if kw.get("max_tokens") == 0:
-        raise InvalidArgument("sampling.max_tokens: must be >= 1 (got 0)")
+            given[name] = getattr(s, name)
     try:
-        return SamplingParams(**kw)
+        return SamplingParams(**sampling_settings(given))
+    except BadSetting as exc:
+        raise InvalidArgument(f"sampling.{exc.param}: {exc.message}") from None
     except InvalidArgument as exc:
         raise InvalidArgument(f"sampling.{exc.message}") from None
 
@@ -196,7 +225,8 @@ async def answer_decoupled(
         )  # fmt: skip
         params = sampling_from_parameters(decoded.parameters)
         client_id = request.id or None
-        seq = await runtime.prepare(params, text_input(decoded.inputs), client_id=client_id)
+        prompt = text_input(decoded.inputs, runtime.generation.prompt_bytes_limit)
+        seq = await runtime.prepare(params, prompt, client_id=client_id)
         timeout = request_timeout_s(
             (decoded.timeout_s, call_remaining), runtime.default_timeout_s, max_timeout_s
         )

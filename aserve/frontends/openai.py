@@ -32,12 +32,18 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
+from aserve.codecs.sampling import SAMPLING_KEYS, BadSetting, sampling_settings
 from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.generate import Route, read_json_object, timeout_for, usage
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
 from aserve.frontends.status import HTTP_STATUS
-from aserve.loop.generation import GenerationRuntime, generation_runtime
+from aserve.loop.generation import (
+    GenerationRuntime,
+    generation_body_limit,
+    generation_runtime,
+)
+from aserve.loop.prompt_size import check_prompt_size
 from aserve.streaming.channel import Delta
 from aserve.streaming.sse import DONE, SseResponse
 
@@ -170,9 +176,8 @@ class OpenAIApi:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await read_json_object(request)
-            parsed = _parse(body, chat)
-            model = body["model"]
+            body = await read_json_object(request, generation_body_limit(self._server.registry))
+            model = _model(body)
             try:
                 runtime = generation_runtime(self._server.registry, model)
             except NotFound:
@@ -180,6 +185,12 @@ class OpenAIApi:
             except InvalidArgument as exc:
                 raise FieldError("model", exc.message) from None
             request[RUNTIME_KEY] = runtime
+            # The prompt's size before any per-token or per-message parsing.
+            if chat:
+                check_prompt_size(runtime.generation, messages=body.get("messages"))
+            else:
+                check_prompt_size(runtime.generation, prompt=body.get("prompt"))
+            parsed = _parse(body, chat)
             seq = await runtime.prepare(
                 parsed.params, prompt=parsed.prompt, messages=parsed.messages
             )
@@ -281,9 +292,7 @@ class _Parsed:
 def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
     """Validate the fields in OpenAI's terms; every error names its field."""
     out = _Parsed()
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise FieldError("model", "is required (a model name from /v1/models)")
+    _model(body)
     if chat:
         out.messages = _messages(body.get("messages"))
     else:
@@ -309,46 +318,31 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
         raise FieldError("n", f"only 1 choice per request is supported (got {n!r})")
     _refuse(body, chat)
 
-    kw: dict[str, Any] = {}
     limit = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         limit = "max_completion_tokens"
-    if (v := body.get(limit)) is not None:
-        if not _is_int(v) or v < 1:
-            raise FieldError(limit, f"must be an integer >= 1 (got {v!r})")
-        kw["max_tokens"] = v
-    if (v := body.get("temperature")) is not None:
-        if not _is_number(v) or not 0 <= v <= 2:
-            raise FieldError("temperature", f"must be a number from 0 to 2 (got {v!r})")
-        kw["temperature"] = float(v)
-    if (v := body.get("top_p")) is not None:
-        if not _is_number(v) or not 0 < v <= 1:
-            raise FieldError("top_p", f"must be a number in (0, 1] (got {v!r})")
-        kw["top_p"] = float(v)
-    if (v := body.get("top_k")) is not None:
-        if not _is_int(v) or v < -1:
-            raise FieldError("top_k", f"must be an integer >= -1, -1 or 0 for no limit (got {v!r})")
-        kw["top_k"] = max(v, 0)
-    if (v := body.get("seed")) is not None:
-        if not _is_int(v):
-            raise FieldError("seed", f"must be an integer (got {v!r})")
-        kw["seed"] = v % 2**64
-    if (v := body.get("stop")) is not None:
-        stops = [v] if isinstance(v, str) else v
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise FieldError("stop", "must be a non-empty string or a list of them")
-        if len(stops) > _MAX_STOP:
-            raise FieldError("stop", f"at most {_MAX_STOP} stop sequences (got {len(stops)})")
-        kw["stop"] = tuple(stops)
-    if (v := body.get("ignore_eos")) is not None:
-        if not isinstance(v, bool):
-            raise FieldError("ignore_eos", f"must be true or false (got {v!r})")
-        kw["ignore_eos"] = v
+    settings = {k: body.get(k) for k in SAMPLING_KEYS}
+    settings["max_tokens"] = body.get(limit)
+    seed = settings["seed"]
+    if _is_int(seed) and -(2**63) <= seed < 0:
+        settings["seed"] = seed + 2**64  # OpenAI's seed is an int64: the same 64 bits
+    try:
+        kw = sampling_settings(settings, max_stop=_MAX_STOP)
+    except BadSetting as exc:
+        param = limit if exc.param == "max_tokens" else exc.param
+        raise FieldError(param, f"{param}: {exc.message}") from None
     for name in ("presence_penalty", "frequency_penalty"):
         if (v := body.get(name)) is not None and (not _is_number(v) or not -2 <= v <= 2):
             raise FieldError(name, f"must be a number from -2 to 2 (got {v!r})")
     out.params = SamplingParams(**kw)
     return out
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise FieldError("model", "is required (a model name from /v1/models)")
+    return model
 
 
 def _refuse(body: dict[str, Any], chat: bool) -> None:

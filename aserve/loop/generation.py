@@ -32,8 +32,9 @@ from aserve.engines.decoder import DecoderEngine, SamplingParams, Tokenizer
 from aserve.engines.decoder import Sequence as EngineSequence
 from aserve.engines.step_executor import StepExecutor
 from aserve.engines.step_process import ProcessStepExecutor, WorkerArgs
-from aserve.errors import InvalidArgument, Unavailable
+from aserve.errors import InvalidArgument, TooLarge, Unavailable
 from aserve.loop.model import ModelState
+from aserve.loop.prompt_size import BODY_SLACK_BYTES, body_limit, check_prompt_size
 from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
 from aserve.stats import ModelStats
 
@@ -109,7 +110,9 @@ class GenerationRuntime:
                 str(path), c.generation.model_dump(), c.device, c.dtype, c.cpu_threads, self.name,
                 gpu=self.gpu.model_dump(),
             )  # fmt: skip
-            executor = ProcessStepExecutor(args, on_lost=self._on_sequences_lost)
+            executor = ProcessStepExecutor(
+                args, on_lost=self._on_sequences_lost, on_back=self._on_step_process_back
+            )
         else:
             await asyncio.to_thread(engine.load)
             executor = StepExecutor(engine, self.name)
@@ -140,6 +143,10 @@ class GenerationRuntime:
         if self.batcher is not None:
             self.batcher.fail_running(error)
 
+    def _on_step_process_back(self) -> None:
+        if self.batcher is not None:
+            self.batcher.resume()
+
     # --- requests ---------------------------------------------------------------
 
     async def prepare(
@@ -152,11 +159,14 @@ class GenerationRuntime:
         """Tokenize ``prompt`` (or render ``messages`` with the chat template) and
         validate the request; :class:`InvalidArgument` names what is wrong.
 
-        Nothing is queued yet. Short prompts are handled right here; long ones
-        in a worker thread so that the loop is not held up.
+        Nothing is queued yet. The prompt's size is checked first
+        (:mod:`aserve.loop.prompt_size`). Short prompts are handled right here;
+        long ones in a worker thread, tokenized with the GIL given up, so that
+        the loop is not held up.
         """
         if self._engine is None or self.state is not ModelState.READY:
             raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+        check_prompt_size(self.generation, prompt, messages)
         size = (
             len(prompt)
             if prompt is not None
@@ -166,7 +176,7 @@ class GenerationRuntime:
             return self._prepare(params, prompt, messages, client_id)
         self._preparing += 1  # busy: a drain waits for it to be queued
         try:
-            return await asyncio.to_thread(self._prepare, params, prompt, messages, client_id)
+            return await asyncio.to_thread(self._prepare, params, prompt, messages, client_id, True)
         finally:
             self._preparing -= 1
 
@@ -176,14 +186,19 @@ class GenerationRuntime:
         prompt: str | list[int] | None,
         messages: Sequence[Mapping[str, Any]] | None,
         client_id: str | None,
+        off_loop: bool = False,
     ) -> EngineSequence:
         assert self._engine is not None
+        tok = self._engine.tokenizer
         if messages is not None:
-            tok = self._engine.tokenizer
             text = tok.apply_chat_template(messages, add_generation_prompt=True)
             # A model's own template writes its special tokens (BOS); the
             # plain default format has none, so the tokenizer adds them.
-            prompt = tok.encode(text, add_special_tokens=not tok.has_chat_template)
+            prompt = tok.encode(
+                text, add_special_tokens=not tok.has_chat_template, release_gil=off_loop
+            )
+        elif isinstance(prompt, str):
+            prompt = tok.encode(prompt, release_gil=off_loop)
         if prompt is None:
             raise InvalidArgument("prompt: is required")
         return self._engine.new_sequence(client_id or "", prompt, params)
@@ -193,11 +208,14 @@ class GenerationRuntime:
     ) -> GenerationRequest:
         """Queue a prepared sequence: its stream, or a refusal at once
         (QueueFull when ``generation.max_queue_size`` are waiting, Unavailable
-        when the model is not ready)."""
-        if not self.ready or self.batcher is None:
-            why = self.state.value if self.state is not ModelState.READY else "restarting"
-            raise Unavailable(f"model '{self.label}' is not ready ({why})")
+        when the model is not loaded). While the step process restarts the
+        model reports not ready, but a request still queues for the new one,
+        bounded by its deadline and the queue's size."""
+        if self.state is not ModelState.READY or self.batcher is None:
+            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        if self._executor is not None:
+            self._executor.check(sequence)
         return self.batcher.submit(sequence, len(sequence.prompt_ids), timeout, client_id)
 
     async def infer(
@@ -211,7 +229,8 @@ class GenerationRuntime:
     ) -> dict[str, np.ndarray]:
         """KServe inference: the whole generation for ``text_input`` as ``text_output``."""
         params = sampling_from_parameters(parameters)
-        seq = await self.prepare(params, prompt=text_input(inputs), client_id=client_id)
+        prompt = text_input(inputs, self.generation.prompt_bytes_limit)
+        seq = await self.prepare(params, prompt=prompt, client_id=client_id)
         async with self.generate(seq, timeout_s, client_id) as req:
             text, _ = await req.collect()
         return {TEXT_OUTPUT: text_tensor(text)}
@@ -314,12 +333,26 @@ def generation_runtime(
     return runtime
 
 
-def text_input(inputs: Mapping[str, np.ndarray]) -> str:
-    """The prompt of a KServe request: the one element of ``text_input``, as UTF-8."""
+def generation_body_limit(registry: ModelRegistry) -> int:
+    """Largest JSON body a route that names its model in the body (OpenAI's)
+    reads: the largest of the decoder models' limits (with none, just room
+    for a request that names no model, which is then refused)."""
+    limits = [body_limit(rt.generation) for rt in registry if isinstance(rt, GenerationRuntime)]
+    return max(limits, default=BODY_SLACK_BYTES)
+
+
+def text_input(inputs: Mapping[str, np.ndarray], limit_bytes: int | None = None) -> str:
+    """The prompt of a KServe request: the one element of ``text_input``, as UTF-8;
+    over ``limit_bytes`` it is refused (TooLarge) before it is decoded."""
     arr = inputs[TEXT_INPUT]
     if arr.size != 1:
         raise InvalidArgument(f"input '{TEXT_INPUT}' must hold exactly one string (got {arr.size})")
     value = arr.reshape(-1)[0]
+    if limit_bytes is not None and isinstance(value, bytes) and len(value) > limit_bytes:
+        raise TooLarge(
+            f"input '{TEXT_INPUT}': {len(value)} bytes, over the limit "
+            f"generation.max_prompt_bytes {limit_bytes}"
+        )
     try:
         return value.decode("utf-8") if isinstance(value, bytes) else str(value)
     except UnicodeDecodeError:

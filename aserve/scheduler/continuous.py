@@ -27,9 +27,17 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from aserve.config import GenerationConfig
-from aserve.engines.decoder import Sequence
+from aserve.engines.decoder import Sequence, StepOutput
 from aserve.engines.step_executor import StepJob
-from aserve.errors import AserveError, DeadlineExceeded, InternalError, QueueFull, Unavailable
+from aserve.errors import (
+    AserveError,
+    DeadlineExceeded,
+    ErrorCode,
+    InternalError,
+    InvalidArgument,
+    QueueFull,
+    Unavailable,
+)
 from aserve.logs import CURRENT
 from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.stats import ModelStats
@@ -40,7 +48,17 @@ log = logging.getLogger("aserve.continuous")
 _ids = itertools.count(1)
 
 
+def _member_error(label: str, out: StepOutput) -> AserveError:
+    if out.error_code == ErrorCode.INVALID_ARGUMENT.value:
+        return InvalidArgument(f"model '{label}' refused the request: {out.error}")
+    return InternalError(f"model '{label}' failed: {out.error}")
+
+
 class Executor(Protocol):
+    @property
+    def alive(self) -> bool:
+        """False while the engine is being replaced (a step process restarting)."""
+
     def submit(self, job: StepJob) -> None: ...
 
 
@@ -205,7 +223,10 @@ class ContinuousBatcher:
         """Queue a prepared sequence, or raise at once (QueueFull / Unavailable)."""
         if self._closed:
             raise Unavailable(f"model '{self.label}' is unloading")
-        if len(self._waiting) >= self.max_queue_size:
+        # Sequences that the next step admits into free slots are not queued:
+        # a burst of max_num_seqs + max_queue_size is taken by an idle model.
+        free_slots = self.limits.max_num_seqs - (self._slots_held - len(self._to_free))
+        if len(self._waiting) >= self.max_queue_size + max(free_slots, 0):
             self._stats.rejected["queue_full"] += 1
             raise QueueFull(
                 f"model '{self.label}' queue is full: {len(self._waiting)} sequences waiting "
@@ -239,7 +260,8 @@ class ContinuousBatcher:
         """End a waiting or running request with ``error``."""
         if req.state is State.RUNNING:
             del self._running[req.id]
-            self._to_free[req.id] = req
+            if req.holds_slot:
+                self._to_free[req.id] = req
         req.state = State.DONE
         req.channel.fail(error)
         self._stats.fail.add(int((self._clock() - req.arrival) * 1e9))
@@ -261,6 +283,9 @@ class ContinuousBatcher:
         if self._in_flight is not None or self._closed:
             return
         now = self._clock()
+        if not self._executor.alive:
+            self._hold_queue(now)
+            return
         running = list(self._running.values())
         for r in running:
             if r.channel.full:
@@ -340,6 +365,9 @@ class ContinuousBatcher:
                     self._to_free.pop(req.id, None)
                 if req.state is not State.RUNNING:
                     continue  # cancelled or expired while the step ran: nobody reads it
+                if out.error is not None:  # this member failed alone; the others go on
+                    self._end(req, _member_error(self.label, out))
+                    continue
                 req.channel.push(out)
                 # One token per sequence per step: the first after the request
                 # arrived, the others after the previous step that gave one.
@@ -361,7 +389,41 @@ class ContinuousBatcher:
                 stats.record_batch(n, n, 0, job.infer_ns, time.perf_counter_ns() - t0)
         self._form_step()
 
+    def _hold_queue(self, now: float) -> None:
+        """The engine is being replaced: no step runs, waiting sequences stay
+        queued for it (``resume``), and leave only when their deadline passes."""
+        while self._waiting and self._waiting[0].deadline <= now:
+            w = self._waiting.pop(0)
+            self._stats.timed_out += 1
+            self._end(w, DeadlineExceeded(
+                f"generation timed out after {(now - w.arrival) * 1e3:.0f} ms waiting for "
+                f"'{self.label}' (its step process is restarting)"
+            ))  # fmt: skip
+        self._arm_timer(self._waiting[0].deadline if self._waiting else None)
+
+    def resume(self) -> None:
+        """The engine is back (a new step process is up): steps run again."""
+        self._kick()
+
+    def _requeue(self, reqs: list[GenerationRequest]) -> None:
+        """Sequences of a step that never reached the engine wait again, in order."""
+        for req in reqs:
+            if req.state is not State.RUNNING:
+                continue  # cancelled or expired meanwhile
+            del self._running[req.id]
+            if req.holds_slot:
+                req.holds_slot = False
+                self._slots_held -= 1
+            req.state = State.WAITING
+            bisect.insort(self._waiting, req)
+
     def _step_failed(self, job: StepJob, reqs: list[GenerationRequest]) -> None:
+        if job.not_run:
+            # Nothing ran: the new sequences never held anything in the engine,
+            # so they wait for it again; running ones are ended by fail_running
+            # when the engine reports them lost.
+            self._requeue(reqs[: len(job.new)])
+            return
         # The engine gave the new sequences' slots back; the running ones
         # still hold theirs and are freed at the next step.
         log.warning("step of %d sequence(s) on '%s' failed: %r", len(reqs), self.label, job.error)
@@ -393,7 +455,7 @@ class ContinuousBatcher:
 
     def fail_running(self, error: BaseException) -> None:
         """The engine lost every started sequence (its step process died):
-        end each running request; new ones are admitted as usual."""
+        end each running request; waiting ones stay queued for the new engine."""
         failure = InternalError(f"model '{self.label}' failed: {error}")
         for req in list(self._running.values()):
             self._end(req, failure)

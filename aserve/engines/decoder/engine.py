@@ -38,7 +38,7 @@ from aserve.engines.decoder.sequence import Sequence, StepOutput
 from aserve.engines.decoder.spec import ModelSpec
 from aserve.engines.decoder.stop import StopMatcher
 from aserve.engines.decoder.tokenizer import Tokenizer
-from aserve.errors import InvalidArgument
+from aserve.errors import AserveError, InvalidArgument
 
 log = logging.getLogger("aserve.engines.decoder")
 
@@ -149,15 +149,16 @@ class DecoderEngine:
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidArgument("prompt: is empty (no tokens)")
-        vocab = self.spec.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidArgument(f"prompt: token id {bad} is out of range (vocabulary {vocab})")
+        # The length first: the per-token check below then costs at most max_model_len.
         if len(ids) >= gen.max_model_len:
             raise SequenceTooLong(
                 f"prompt: {len(ids)} tokens leave no room to generate within "
                 f"max_model_len ({gen.max_model_len})"
             )
+        vocab = self.spec.vocab_size
+        bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"prompt: token id {bad!r} is out of range (vocabulary {vocab})")
         wanted = gen.max_tokens_default if params.max_tokens is None else params.max_tokens
         if wanted > gen.max_tokens_cap:
             raise InvalidArgument(
@@ -200,9 +201,14 @@ class DecoderEngine:
 
         Outputs come in the order ``new`` then ``running``. Raises
         :class:`CacheFull` (and allocates nothing) when ``new`` has more
-        sequences than free slots. If the model fails, the new sequences get
-        their slots back and the running ones are unchanged, so the caller
-        may fail exactly the requests of this step.
+        sequences than free slots.
+
+        A step never fails because of one member. If the batched step raises,
+        each member is run again on its own (a decode rewrites the same KV
+        positions, a prefill refills its slot), and a member that fails alone
+        gets an output with ``error`` set, its slot freed; the others get their
+        tokens. A step of one member that fails raises, its slot (if new) given
+        back, so the caller fails exactly that request.
         """
         new, running = list(new), list(running)
         for s in new:
@@ -213,11 +219,27 @@ class DecoderEngine:
                 raise ValueError(f"sequence '{s.request_id}' is not running")
         if not new and not running:
             return []
-        cache, model = self.cache, self.model
+        cache = self.cache
         if len(new) > cache.num_free:
             raise CacheFull(
                 f"{len(new)} new sequence(s) but only {cache.num_free} free KV-cache slot(s)"
             )
+        seqs = new + running
+        try:
+            tokens = self._forward(new, running)
+        except Exception as exc:
+            if len(seqs) == 1:
+                raise
+            log.warning(
+                "a step of %d sequences failed (%r); running each on its own", len(seqs), exc
+            )
+            return [self._alone(s, s in new) for s in seqs]
+        return [self._settle(s, t) for s, t in zip(seqs, tokens, strict=True)]
+
+    def _forward(self, new: list[Sequence], running: list[Sequence]) -> list[int]:
+        """Run the model and sample one token per sequence; on failure the new
+        sequences' slots are given back and the running ones are unchanged."""
+        cache, model = self.cache, self.model
         for s in new:
             s.slot = cache.alloc()
         try:
@@ -237,12 +259,42 @@ class DecoderEngine:
                 )
             seqs = new + running
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         except BaseException:
             for s in new:
                 self.free(s)
             raise
-        return [self._append(s, t) for s, t in zip(seqs, tokens, strict=True)]
+
+    def _alone(self, seq: Sequence, is_new: bool) -> StepOutput:
+        """One member of a failed step, run on its own; a failure is its own."""
+        try:
+            (token,) = self._forward([seq], []) if is_new else self._forward([], [seq])
+        except Exception as exc:
+            return self._failed(seq, exc)
+        return self._settle(seq, token)
+
+    def _settle(self, seq: Sequence, token: int) -> StepOutput:
+        """Append ``token``; text handling that raises fails this sequence only."""
+        try:
+            return self._append(seq, token)
+        except Exception as exc:
+            return self._failed(seq, exc)
+
+    def _failed(self, seq: Sequence, exc: Exception) -> StepOutput:
+        self.free(seq)
+        log.warning("sequence '%s' failed on its own: %r", seq.request_id, exc)
+        code = exc.code.value if isinstance(exc, AserveError) else "internal"
+        return StepOutput(
+            seq.request_id,
+            -1,
+            "",
+            True,
+            None,
+            seq.prompt_tokens,
+            seq.completion_tokens,
+            error=f"{type(exc).__name__}: {exc}",
+            error_code=code,
+        )
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's slot (a cancelled one, or after a failed step); idempotent."""

@@ -43,8 +43,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidArgument(f"temperature must be >= 0 (got {self.temperature})")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0, 0 for no limit (got {self.top_k})")
+        if not 0 <= self.top_k < 2**63:  # the step's tensors and wire carry 64 bits
+            raise InvalidArgument(
+                f"top_k must be >= 0 and < 2**63, 0 for no limit (got {self.top_k})"
+            )
         if not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -113,10 +115,12 @@ def sample(
         device = logits.device
         sel = torch.tensor(rows, device=device)
         ps = [params[i] for i in rows]
+        vocab = logits.shape[-1]
         probs, ids = filtered_probs(
             logits[sel],
             torch.tensor([p.temperature for p in ps], device=device),
-            torch.tensor([p.top_k for p in ps], device=device),
+            # Clamped here, so that no top_k a request may carry overflows the tensor.
+            torch.tensor([min(p.top_k, vocab) for p in ps], device=device),
             torch.tensor([p.top_p for p in ps], device=device),
         )
         # Inverse CDF with one uniform draw per row from that row's generator.

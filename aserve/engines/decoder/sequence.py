@@ -60,7 +60,8 @@ class StepOutput:
     ``text`` is the newly complete text (possibly "" while a character or a
     possible stop string is held back); once ``finished``, everything held
     has been released and the sequence's slot is free. The token counts are
-    the totals so far, for usage reports.
+    the totals so far, for usage reports. A member that failed on its own has
+    ``error`` set (and ``finished``, with no ``finish_reason``).
     """
 
     request_id: str
@@ -70,3 +71,8 @@ class StepOutput:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    # Set when this sequence alone failed the step (its slot is free, it is
+    # finished); the other sequences of the step went on. ``error_code`` is an
+    # :class:`aserve.errors.ErrorCode` value.
+    error: str | None = None
+    error_code: str = "internal"

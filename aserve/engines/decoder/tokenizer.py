@@ -91,9 +91,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.inner.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, release_gil: bool = False
+    ) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the
-        tokenizer's post-processor adds (e.g. Llama's BOS)."""
+        tokenizer's post-processor adds (e.g. Llama's BOS).
+
+        ``release_gil``: for a worker thread. ``tokenizers``' ``encode`` holds
+        the GIL for the whole text (the event loop then stalls as if it ran
+        on the loop); ``encode_batch`` gives it up while the Rust side works.
+        """
+        if release_gil:
+            (encoding,) = self.inner.encode_batch([text], add_special_tokens=add_special_tokens)
+            return encoding.ids
         return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
