@@ -10,15 +10,23 @@ all within the bound counts as a stall too (its time is the bound).
     async with watch_loop(server.base) as watch:
         ...  # send the hostile requests
     # leaving the block asserts the bound; watch.worst_s is the slowest probe
+
+With ``ASERVE_STALL_REPORT`` set to a file, each watched case also appends a
+JSON line there (test id, slowest probe, quiet p99, bound): ``bench/hostile.py``
+runs the hostile tests that way and reports the worst health latency per case.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -60,30 +68,73 @@ async def _probe(session: aiohttp.ClientSession, url: str, limit_s: float) -> fl
     return time.perf_counter() - start
 
 
-@contextlib.asynccontextmanager
-async def watch_loop(base: str, *, check: bool = True) -> AsyncIterator[LoopWatch]:
-    """Poll the server's liveness while the block runs; assert no stall on exit."""
-    url = f"{base}/v2/health/live"
+async def _watch(url: str, watch_ready: Any, stop: threading.Event) -> None:
     # A connection of its own, so that the probes never queue behind the case's requests.
     connector = aiohttp.TCPConnector(limit=1)
     async with aiohttp.ClientSession(connector=connector) as session:
         quiet = sorted([await _probe(session, url, 10.0) for _ in range(QUIET_PROBES)])
         p99 = quiet[min(len(quiet) - 1, int(len(quiet) * 0.99))]
         watch = LoopWatch(quiet_p99_s=p99, bound_s=max(FLOOR_S, FACTOR * p99))
-        stop = asyncio.Event()
+        watch_ready(watch)
+        while True:  # at least one probe, even when the case ends at once
+            watch.probes_s.append(await _probe(session, url, watch.bound_s))
+            if stop.is_set():
+                return
 
-        async def poll() -> None:
-            # At least one probe, even when the case ends at once.
-            while True:
-                watch.probes_s.append(await _probe(session, url, watch.bound_s))
-                if stop.is_set():
-                    return
 
-        poller = asyncio.create_task(poll(), name="loop-watchdog")
+@contextlib.asynccontextmanager
+async def watch_loop(base: str, *, check: bool = True) -> AsyncIterator[LoopWatch]:
+    """Poll the server's liveness while the block runs; assert no stall on exit.
+
+    The probes run on a thread with an event loop of its own, so that a test
+    that builds or sends something big on its own loop delays only itself,
+    never the probes: what they measure is the server's loop.
+    """
+    url = f"{base}/v2/health/live"
+    ready = threading.Event()
+    stop = threading.Event()
+    box: list[LoopWatch] = []
+    failure: list[BaseException] = []
+
+    def on_ready(watch: LoopWatch) -> None:
+        box.append(watch)
+        ready.set()
+
+    def run() -> None:
         try:
-            yield watch
-        finally:
-            stop.set()
-            await poller
+            asyncio.run(_watch(url, on_ready, stop))
+        except BaseException as exc:  # surfaced in the test, not lost in the thread
+            failure.append(exc)
+            ready.set()
+
+    thread = threading.Thread(target=run, name="loop-watchdog", daemon=True)
+    thread.start()
+    await asyncio.to_thread(ready.wait)
+    if failure:
+        raise failure[0]
+    watch = box[0]
+    try:
+        yield watch
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join)
+    if failure:
+        raise failure[0]
+    _report(watch)
     if check:
         watch.check()
+
+
+def _report(watch: LoopWatch) -> None:
+    path = os.environ.get("ASERVE_STALL_REPORT")
+    if not path:
+        return
+    line = {
+        "case": os.environ.get("PYTEST_CURRENT_TEST", "?").removesuffix(" (call)"),
+        "worst_ms": watch.worst_s * 1e3,
+        "quiet_p99_ms": watch.quiet_p99_s * 1e3,
+        "bound_ms": watch.bound_s * 1e3,
+        "probes": len(watch.probes_s),
+    }
+    with open(path, "a") as f:  # one short write per case: lines do not interleave
+        f.write(json.dumps(line) + "\n")
