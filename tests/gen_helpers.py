@@ -51,6 +51,20 @@ def build_decoder_models(root: Path, lms: Path) -> dict[str, Any]:
     return {"models": models, "eos_tokens": k + 1, "eos_text": engine.tokenizer.decode(ids[:k])}
 
 
+def start_gpt2_server(tmp_path_factory: Any, folder_name: str, **generation: Any) -> Any:
+    """A server (HTTP and gRPC) of the tiny gpt2 alone, as ``gpt2``, with
+    :data:`GENERATION` and the given overrides."""
+    from conftest import start_server, write_config
+
+    gpt2 = lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
+    folder = tmp_path_factory.mktemp(folder_name)
+    model = {
+        "name": "gpt2", "engine": "decoder", "path": str(gpt2),
+        "generation": {**GENERATION, **generation},
+    }  # fmt: skip
+    return start_server(write_config(folder, {"grpc": {"port": 0}, "models": [model]}))
+
+
 def idle(s: dict[str, Any]) -> bool:
     g = s["generation"]
     return (g["running_sequence_count"], g["waiting_sequence_count"], g["kv_slots_in_use"]) == (

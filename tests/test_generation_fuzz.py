@@ -28,8 +28,8 @@ import aiohttp
 import grpc
 import orjson
 import pytest
-from conftest import ServerProcess, start_server, write_config
-from gen_helpers import GENERATION
+from conftest import ServerProcess
+from gen_helpers import GENERATION, start_gpt2_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from stall_watch import LoopWatch, watch_loop
@@ -54,12 +54,7 @@ GRPC_REFUSALS = {
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    import lm_models
-
-    gpt2 = lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
-    folder = tmp_path_factory.mktemp("gen-fuzz")
-    model = {"name": "gpt2", "engine": "decoder", "path": str(gpt2), "generation": GENERATION}
-    server = start_server(write_config(folder, {"grpc": {"port": 0}, "models": [model]}))
+    server = start_gpt2_server(tmp_path_factory, "gen-fuzz")
     yield server
     server.stop()
 

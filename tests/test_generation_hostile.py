@@ -19,8 +19,8 @@ import aiohttp
 import grpc
 import orjson
 import pytest
-from conftest import ServerProcess, start_server, write_config
-from gen_helpers import GENERATION, wait_gen
+from conftest import ServerProcess
+from gen_helpers import start_gpt2_server, wait_gen
 from stall_watch import watch_loop
 
 from aserve._proto import aserve_pb2 as apb
@@ -37,12 +37,7 @@ VICTIM_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    import lm_models
-
-    gpt2 = lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
-    folder = tmp_path_factory.mktemp("gen-hostile")
-    model = {"name": "gpt2", "engine": "decoder", "path": str(gpt2), "generation": GENERATION}
-    server = start_server(write_config(folder, {"grpc": {"port": 0}, "models": [model]}))
+    server = start_gpt2_server(tmp_path_factory, "gen-hostile")
     yield server
     server.stop()
 
@@ -310,13 +305,7 @@ STORM_ROUNDS = 20
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """gpt2 with 2 KV-cache slots and 2 places in its queue."""
-    import lm_models
-
-    gpt2 = lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
-    folder = tmp_path_factory.mktemp("gen-overload")
-    generation = {**GENERATION, "max_num_seqs": 2, "max_queue_size": 2}
-    model = {"name": "gpt2", "engine": "decoder", "path": str(gpt2), "generation": generation}
-    server = start_server(write_config(folder, {"grpc": {"port": 0}, "models": [model]}))
+    server = start_gpt2_server(tmp_path_factory, "gen-overload", max_num_seqs=2, max_queue_size=2)
     yield server
     server.stop()
 
