@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
 
+import numpy as np
 import pytest
 
+from aserve.config import BatchingConfig
+from aserve.engines.executor import ExecutorPool
+from aserve.errors import DeadlineExceeded, Unavailable
+from aserve.loop.request import InferenceRequest
+from aserve.scheduler.batcher import Batcher
 from aserve.scheduler.latency import AdmissionMargin, ArrivalRate, LatencyModel
 from aserve.scheduler.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
+from aserve.stats import ModelStats
 
 LIMITS = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[8, 16, 32])
 
@@ -176,6 +185,16 @@ def test_admission_margin_rises_once_per_burst_and_decays_with_successes():
     assert margin.factor == 4.0  # capped
 
 
+class FakeClock:
+    """The batcher's clock in these tests: time moves only when the test says so."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class _Copy:
     """A stand-in engine for the batcher's admission: returns its input."""
 
@@ -185,8 +204,6 @@ class _Copy:
         return None
 
     def stack_inputs(self, parts):
-        import numpy as np
-
         return {"X": np.concatenate([p["X"] for p in parts])}
 
     def check_outputs(self, outputs, batch_size: int) -> None:
@@ -196,39 +213,34 @@ class _Copy:
         return {"Y": inputs["X"]}
 
 
+def _request(clock: FakeClock, deadline_in: float) -> InferenceRequest:
+    loop = asyncio.get_running_loop()
+    now = clock()
+    return InferenceRequest({"X": np.zeros((1, 1), np.float32)}, 1, (), now, now + deadline_in,
+                            loop.create_future(), None, None)  # fmt: skip
+
+
 async def test_a_request_that_would_run_at_once_is_admitted_whatever_the_margin():
     """An old margin must not make a model whose load fell refuse everything: only
     a request that would wait has its prediction stretched by it."""
-    import asyncio
-    import time
-
-    import numpy as np
-
-    from aserve.config import BatchingConfig
-    from aserve.engines.executor import ExecutorPool
-    from aserve.errors import Unavailable
-    from aserve.loop.request import InferenceRequest
-    from aserve.scheduler.batcher import Batcher
-    from aserve.stats import ModelStats
-
+    clock = FakeClock()
     pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
     await pool.start()
     try:
-        batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"))
+        batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
+                          clock=clock)  # fmt: skip
         for size in (1, 4):
             batcher.latency.observe(size, 0.050)
         batcher.margin.factor = 4.0  # left high by an earlier overload
-        now = time.monotonic()
+        now = clock()
         batcher.check_admission(now, now + 0.100, 1)  # idle: 50 ms of 100, admitted
-        loop = asyncio.get_running_loop()
-        ahead = InferenceRequest({"X": np.zeros((1, 1), np.float32)}, 1, (), now, now + 1.0,
-                                 loop.create_future(), None, None)  # fmt: skip
+        ahead = _request(clock, 1.0)
         batcher.submit(ahead)  # queued (dispatched on the next loop pass)
         with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
             batcher.check_admission(now, now + 0.150, 1)  # would wait: 4 x 50 ms
         batcher.margin.factor = 1.0
         batcher.check_admission(now, now + 0.150, 1)  # one batch of both: 50 ms of 150
-        await asyncio.wait_for(ahead.future, 5)
+        await asyncio.wait_for(ahead.future, 10)
     finally:
         await pool.stop()
 
@@ -237,12 +249,12 @@ class _Gated(_Copy):
     """Returns its input once ``gate`` opens; records the batch sizes it ran."""
 
     def __init__(self) -> None:
-        import threading
-
         self.gate = threading.Event()
+        self.started = threading.Event()  # a batch is held at the gate
         self.sizes: list[int] = []
 
     def run(self, inputs, instance):
+        self.started.set()
         self.gate.wait(10)
         self.sizes.append(len(inputs["X"]))
         return {"Y": inputs["X"]}
@@ -253,41 +265,24 @@ class _Gated(_Copy):
     [(150, True), (250, False)],  # room for a batch of 1 (of 8 waiting), or of 2
 )
 async def test_the_head_is_given_up_only_for_a_batch_under_a_quarter_of_the_queue(head_ms, shed):
-    import asyncio
-    import time
-
-    import numpy as np
-
-    from aserve.config import BatchingConfig
-    from aserve.engines.executor import ExecutorPool
-    from aserve.errors import DeadlineExceeded
-    from aserve.loop.request import InferenceRequest
-    from aserve.scheduler.batcher import Batcher
-    from aserve.stats import ModelStats
-
+    clock = FakeClock()
     engine = _Gated()
     pool = ExecutorPool(engine, 1, "m")  # type: ignore[arg-type]
     await pool.start()
-    loop = asyncio.get_running_loop()
-
-    def request(deadline_in: float) -> InferenceRequest:
-        now = time.monotonic()
-        return InferenceRequest({"X": np.zeros((1, 1), np.float32)}, 1, (), now,
-                                now + deadline_in, loop.create_future(), None, None)  # fmt: skip
-
     try:
         config = BatchingConfig(max_batch_size=8, max_delay_ms=0)
-        batcher = Batcher("m/1", config, pool, ModelStats("m", "1"))
-        busy = request(10.0)
+        batcher = Batcher("m/1", config, pool, ModelStats("m", "1"), clock=clock)
+        busy = _request(clock, 10.0)
         batcher.submit(busy)  # takes the only instance, held at the gate
-        await asyncio.sleep(0.05)
-        head = request(head_ms / 1000)
-        rest = [request(10.0) for _ in range(7)]
+        assert await asyncio.to_thread(engine.started.wait, 10)
+        clock.now += 0.05  # the busy batch has run 50 ms when the others arrive
+        head = _request(clock, head_ms / 1000)
+        rest = [_request(clock, 10.0) for _ in range(7)]
         for r in (head, *rest):
             batcher.submit(r)
         for size in range(1, 9):  # 100 ms per item, learned only now: all were admitted
             batcher.latency.observe(size, 0.1 * size)
-        engine.gate.set()
+        engine.gate.set()  # the busy batch ends now, at +50 ms: the head has head_ms - 50 left
         await asyncio.wait_for(asyncio.gather(busy.future, *(r.future for r in rest)), 10)
         if shed:
             with pytest.raises(DeadlineExceeded, match="enough only for a batch of 1 while 8"):

@@ -8,9 +8,10 @@ module keeps the state they need and carries them out:
 - The queue is a heap by deadline. Cancelled requests are marked and skipped
   lazily; expired ones are answered with a timeout when they reach the top,
   and a timer wakes the batcher at the earliest deadline so none waits long.
-- Times are ``time.monotonic()`` seconds (uvloop's ``loop.time()`` has only
-  millisecond resolution, too coarse for latency estimates); timers are armed
-  with ``call_later``.
+- Times are ``clock()`` seconds, ``time.monotonic()`` unless a test injects a
+  fake (uvloop's ``loop.time()`` has only millisecond resolution, too coarse
+  for latency estimates); timers are armed with ``call_later``, their delays
+  computed from the same clock.
 - ``_pump`` runs the policy whenever something changes: an arrival (coalesced
   with ``call_soon``, so requests parsed in the same loop pass batch
   together), a finished batch, or a timer.
@@ -23,7 +24,7 @@ import heapq
 import logging
 import time
 from collections import deque
-from time import monotonic
+from collections.abc import Callable
 
 from aserve.config import BatchingConfig
 from aserve.engines.executor import BatchJob, ExecutorPool
@@ -64,8 +65,10 @@ class Batcher:
         batching: BatchingConfig,
         pool: ExecutorPool,
         stats: ModelStats,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.label = label  # "name/version", for messages
+        self._clock = clock
         self.limits = BatchLimits.build(
             batching.max_batch_size, batching.max_delay_ms, batching.preferred_batch_sizes
         )
@@ -198,7 +201,7 @@ class Batcher:
 
     def _pump(self) -> None:
         self._pump_soon = False
-        now = monotonic()
+        now = self._clock()
         self._expire_queued(now)
         wake_at: float | None = None
         while self._queued_requests and self._free > 0:
@@ -314,7 +317,7 @@ class Batcher:
     def _on_done(self, job: BatchJob) -> None:
         """A batch came back from its executor thread (called on the loop)."""
         running: _Running = job.tag
-        now = monotonic()
+        now = self._clock()
         self._running.discard(running)
         if running.timer is not None:
             running.timer.cancel()
@@ -348,7 +351,7 @@ class Batcher:
 
     def _expire_running(self, running: _Running) -> None:
         """Deadline guard for a batch still in its executor: answer the expired now."""
-        now = monotonic()
+        now = self._clock()
         later = None
         for req in running.requests:
             if req.future.done():
@@ -383,7 +386,7 @@ class Batcher:
                 return
             self._timer.cancel()
         self._timer_at = at
-        self._timer = self._loop.call_later(max(0.0, at - monotonic()), self._on_timer)
+        self._timer = self._loop.call_later(max(0.0, at - self._clock()), self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
