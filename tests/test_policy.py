@@ -164,27 +164,6 @@ def test_high_estimate_widens_with_the_jitter_of_batches():
     assert 1.3 < lat.high(4) / lat.estimate(4) < 1.7
 
 
-def test_admission_margin_rises_once_per_burst_and_decays_with_successes():
-    margin = AdmissionMargin(raise_by=0.25, lower_by=0.01)
-    for _ in range(50):
-        margin.served()
-    assert margin.factor == 1.0  # never below 1: an unloaded server admits on the prediction
-    for i in range(8):  # one slow batch fails 8 requests within one deadline's length
-        margin.missed(now=10.0 + 0.001 * i, hold=0.2)
-    assert margin.factor == pytest.approx(1.25)
-    margin.missed(now=10.3, hold=0.2)  # a miss after the hold raises again
-    assert margin.factor == pytest.approx(1.25**2)
-    for _ in range(10):
-        margin.served()
-    assert margin.factor == pytest.approx(1.25**2 * 0.99**10)
-    for _ in range(1000):
-        margin.served()
-    assert margin.factor == 1.0
-    for i in range(100):
-        margin.missed(now=20.0 + i, hold=0.2)
-    assert margin.factor == 4.0  # capped
-
-
 class FakeClock:
     """The batcher's clock in these tests: time moves only when the test says so."""
 
@@ -193,6 +172,62 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def test_admission_margin_rises_once_per_burst_and_decays_with_successes():
+    clock = FakeClock()  # time's own decay is out of the way here: a half-life of years
+    margin = AdmissionMargin(raise_by=0.25, lower_by=0.01, min_half_life=1e9, clock=clock)
+    now = clock()
+    margin.served(now, 50)
+    assert margin.factor == 1.0  # never below 1: an unloaded server admits on the prediction
+    for i in range(8):  # one slow batch fails 8 requests within one deadline's length
+        margin.missed(now + 0.001 * i, hold=0.2, ratio=4.0)
+    assert margin.factor == pytest.approx(1.25)
+    margin.missed(now + 0.3, hold=0.2, ratio=4.0)  # a miss after the hold raises again
+    assert margin.factor == pytest.approx(1.25**2)
+    for _ in range(10):
+        margin.served(now)
+    assert margin.factor == pytest.approx(1.25**2 * 0.99**10)
+    margin.served(now, 1000)
+    assert margin.factor == 1.0
+    for i in range(100):
+        margin.missed(now + 1.0 + 0.3 * i, hold=0.2, ratio=100.0)
+    assert margin.factor == pytest.approx(4.0)  # capped
+
+
+def test_admission_margin_fades_with_time_alone():
+    """A server that serves nothing (it refuses all, or nothing comes) still forgets an
+    old overload: the excess over 1 halves every half-life, which is four of the last
+    miss's budgets, at least ``min_half_life``."""
+    clock = FakeClock()
+    margin = AdmissionMargin(min_half_life=2.0, clock=clock)
+    margin.factor = 3.0
+    clock.now += 2.0
+    assert margin.factor == pytest.approx(2.0)
+    clock.now += 20.0
+    assert margin.factor == pytest.approx(1.0 + 2.0 * 0.5**11)
+    margin.factor = 3.0
+    margin.missed(clock(), hold=5.0, ratio=5.0)  # long deadlines: a longer memory
+    clock.now += 20.0
+    assert margin.factor == pytest.approx(1.0 + 2.75 * 0.5)
+
+
+def test_admission_margin_never_exceeds_what_misses_showed():
+    """Misses by 10% over the prediction justify a margin of 1.1, however many there are."""
+    clock = FakeClock()
+    margin = AdmissionMargin(clock=clock)
+    for _ in range(40):
+        clock.now += 0.3  # past each hold: every miss may raise
+        margin.missed(clock(), hold=0.2, ratio=1.1)
+    assert 1.05 < margin.factor <= 1.1 + 1e-9
+    clock.now += 0.3
+    margin.missed(clock(), hold=0.2)  # a miss without a prediction shows nothing
+    assert margin.factor <= 1.1 + 1e-9
+    before = margin.factor
+    margin.served(clock(), 1, ratio=1.6)  # served, but 60% later than predicted
+    clock.now += 0.3
+    margin.missed(clock(), hold=0.2, ratio=1.0)
+    assert margin.factor == pytest.approx(before * 1.25, rel=0.1)  # within what was shown
 
 
 class _Copy:
@@ -220,9 +255,11 @@ def _request(clock: FakeClock, deadline_in: float) -> InferenceRequest:
                             loop.create_future(), None, None)  # fmt: skip
 
 
-async def test_a_request_that_would_run_at_once_is_admitted_whatever_the_margin():
-    """An old margin must not make a model whose load fell refuse everything: only
-    a request that would wait has its prediction stretched by it."""
+async def test_the_margin_stretches_only_waits_in_a_lasting_overload():
+    """An old margin must not make a model whose load fell refuse what it can serve: a
+    request that would run at once, or that came within its own time budget of an idle
+    moment (a burst), is admitted on the prediction alone; only one that would wait in a
+    server busy for longer than that has its prediction stretched by the margin."""
     clock = FakeClock()
     pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
     await pool.start()
@@ -236,12 +273,54 @@ async def test_a_request_that_would_run_at_once_is_admitted_whatever_the_margin(
         batcher.check_admission(now, now + 0.100, 1)  # idle: 50 ms of 100, admitted
         ahead = _request(clock, 1.0)
         batcher.submit(ahead)  # queued (dispatched on the next loop pass)
+        batcher.check_admission(now, now + 0.150, 1)  # would wait, but came with `ahead`
+        clock.now += 0.2  # busy for longer than the next one's budget: a lasting overload
+        now = clock()
         with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
-            batcher.check_admission(now, now + 0.150, 1)  # would wait: 4 x 50 ms
+            batcher.check_admission(now, now + 0.150, 1)  # would wait: ~3.8 x 50 ms
         batcher.margin.factor = 1.0
         batcher.check_admission(now, now + 0.150, 1)  # one batch of both: 50 ms of 150
         await asyncio.wait_for(ahead.future, 10)
     finally:
+        await pool.stop()
+
+
+async def test_an_idle_server_admits_a_burst_it_can_serve_after_a_storm():
+    """A storm of misses raises the margin; seconds later 32 requests sent together,
+    which one batch serves well within their deadline, are all admitted and served."""
+    clock = FakeClock()
+    engine = _Gated()
+    pool = ExecutorPool(engine, 1, "m")  # type: ignore[arg-type]
+    await pool.start()
+    try:
+        config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
+        batcher = Batcher("m/1", config, pool, ModelStats("m", "1"), clock=clock)
+        for size in range(1, 33):  # 28 ms + 1 ms per item: a batch of 32 in 60 ms
+            batcher.latency.observe(size, 0.028 + 0.001 * size)
+        busy = _request(clock, 60.0)
+        batcher.submit(busy)  # holds the only instance through the storm
+        assert await asyncio.to_thread(engine.started.wait, 10)
+        for _ in range(6):  # six rounds of admitted requests that all miss (the model stalls)
+            missed = [_request(clock, 0.2) for _ in range(8)]
+            for r in missed:
+                batcher.submit(r)
+            clock.now += 0.3
+            for r in missed:
+                with pytest.raises(DeadlineExceeded):
+                    await asyncio.wait_for(r.future, 10)
+        stormy = batcher.margin.factor
+        assert stormy > 2.0
+        engine.gate.set()
+        await asyncio.wait_for(busy.future, 10)
+        clock.now += 3.0  # idle for a few seconds
+        burst = [_request(clock, 0.2) for _ in range(32)]
+        for r in burst:
+            batcher.submit(r)  # none refused
+        await asyncio.wait_for(asyncio.gather(*(r.future for r in burst)), 10)
+        assert engine.sizes[-1] == 32  # one batch
+        assert batcher.margin.factor < stormy  # and the margin fades
+    finally:
+        engine.gate.set()
         await pool.stop()
 
 

@@ -75,7 +75,8 @@ class Batcher:
         self.max_queue_size = batching.max_queue_size
         self.latency = LatencyModel(batching.max_batch_size)
         self._rate = ArrivalRate()
-        self.margin = AdmissionMargin()
+        self.margin = AdmissionMargin(clock=clock)
+        self._busy_since = 0.0  # when the batcher last went from idle to busy
         self._pool = pool
         self._stats = stats
         self._loop = asyncio.get_running_loop()
@@ -110,7 +111,7 @@ class Batcher:
 
     def submit(self, req: InferenceRequest) -> None:
         """Queue ``req`` or raise at once (QueueFull / Unavailable / DeadlineExceeded)."""
-        self.check_admission(req.arrival, req.deadline, req.batch_size)
+        req.predicted = self.check_admission(req.arrival, req.deadline, req.batch_size) or 0.0
         now = req.arrival
         req.queued = True
         heapq.heappush(self._heap, req)
@@ -130,13 +131,16 @@ class Batcher:
         ahead_requests: int = 0,
         ahead_items: int = 0,
         ready_at: float | None = None,
-    ) -> None:
+    ) -> float | None:
         """Raise what :meth:`submit` would refuse a request of ``items`` with.
 
         ``ahead_*`` count requests not queued yet that will be (a handler
         model's requests in preprocessing), and ``ready_at`` is when this one
         can join the queue (after its own preprocessing): a request that
         would only be refused after that work is refused before it.
+        Returns when the measured latencies say it will be done, before any
+        margin (None while nothing is measured): what its real time is
+        compared with, to tell the margin how far predictions fall short.
         """
         if self._closed:
             raise Unavailable(f"model '{self.label}' is unloading")
@@ -149,30 +153,40 @@ class Batcher:
             )
         if deadline <= now:
             raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
-        if self.latency.known:
-            # Promises are made on pessimistic latencies (see LatencyModel.high).
-            high = self.latency.high
-            start = now if ready_at is None else ready_at
-            first_free = (
-                start if self._free > 0 else min(r.started + high(r.size) for r in self._running)
+        if not self._running and self._queued_requests + ahead_requests == 0:
+            self._busy_since = now  # idle: a busy spell starts with this request
+        if not self.latency.known:
+            return None
+        # Promises are made on pessimistic latencies (see LatencyModel.high).
+        high = self.latency.high
+        start = now if ready_at is None else ready_at
+        first_free = (
+            start if self._free > 0 else min(r.started + high(r.size) for r in self._running)
+        )
+        finish = predicted_finish(
+            start, self._queued_items + ahead_items, items, self._pool.instances,
+            first_free, self.limits, high, deadline,
+        )  # fmt: skip
+        predicted = finish
+        # What recent misses say the prediction is short by (1.0 unless overloaded),
+        # for a request that would wait in a lasting overload. One that runs at
+        # once, or that arrives within its own time budget of an idle moment (a
+        # burst at an idle or lightly loaded server: the queue ahead is only what
+        # came with it, and the measured latencies are what will drain it), is
+        # admitted on the prediction alone: a server whose load fell serves what
+        # it can, and so lowers the margin, instead of refusing on an old factor.
+        if (self._free <= 0 or self._queued_items + ahead_items > 0) and (
+            now - self._busy_since > deadline - now
+        ):
+            finish = now + (finish - now) * self.margin.factor
+        if finish > deadline:
+            self._stats.rejected["deadline_unmeetable"] += 1
+            raise Unavailable(
+                f"model '{self.label}' cannot meet the request's deadline: "
+                f"{(deadline - now) * 1e3:.1f} ms left, but {queued} request(s) "
+                f"ahead and the measured latencies predict {(finish - now) * 1e3:.1f} ms"
             )
-            finish = predicted_finish(
-                start, self._queued_items + ahead_items, items, self._pool.instances,
-                first_free, self.limits, high, deadline,
-            )  # fmt: skip
-            # What recent misses say the prediction is short by (1.0 unless overloaded),
-            # for a request that would wait: one that runs at once is admitted on the
-            # prediction alone, so that a server whose load fell serves, and so
-            # lowers the margin, instead of refusing everything on an old factor.
-            if self._free <= 0 or self._queued_items + ahead_items > 0:
-                finish = now + (finish - now) * self.margin.factor
-            if finish > deadline:
-                self._stats.rejected["deadline_unmeetable"] += 1
-                raise Unavailable(
-                    f"model '{self.label}' cannot meet the request's deadline: "
-                    f"{(deadline - now) * 1e3:.1f} ms left, but {queued} request(s) "
-                    f"ahead and the measured latencies predict {(finish - now) * 1e3:.1f} ms"
-                )
+        return predicted
 
     def forget(self, req: InferenceRequest) -> None:
         """The client went away: take ``req`` out of the queue (its future is already done)."""
@@ -251,7 +265,7 @@ class Batcher:
         heapq.heappop(heap)
         self._unqueue(head)
         self._stats.timed_out += 1
-        self.margin.missed(now, head.deadline - head.arrival)
+        self.margin.missed(now, head.deadline - head.arrival, _overrun(head, head.deadline))
         _fail(head, DeadlineExceeded(
             f"request given up after {(now - head.arrival) * 1e3:.1f} ms in the queue of "
             f"'{self.label}': {(head.deadline - now) * 1e3:.1f} ms left, enough only for a batch "
@@ -266,7 +280,7 @@ class Batcher:
             if req.queued:
                 self._unqueue(req)
                 self._stats.timed_out += 1
-                self.margin.missed(now, req.deadline - req.arrival)
+                self.margin.missed(now, req.deadline - req.arrival, _overrun(req, now))
                 _fail(req, DeadlineExceeded(
                     f"request timed out after {(now - req.arrival) * 1e3:.1f} ms waiting in the "
                     f"queue of '{self.label}'"
@@ -333,8 +347,8 @@ class Batcher:
                 if _fail(req, error):
                     stats.fail.add(int((now - req.arrival) * 1e9))
         else:
-            offset = 0
-            margin = self.margin
+            offset = served = 0
+            worst = 0.0  # the largest time / predicted time among the served
             for req in requests:
                 n = req.batch_size
                 fut = req.future
@@ -343,8 +357,12 @@ class Batcher:
                     # Views, not copies: each request gets its rows of the batch.
                     fut.set_result({k: v[offset : offset + n] for k, v in outputs.items()})
                     stats.success.add(int((now - req.arrival) * 1e9))
-                    margin.served()
+                    served += 1
+                    if req.predicted > req.arrival:
+                        worst = max(worst, (now - req.arrival) / (req.predicted - req.arrival))
                 offset += n
+            if served:
+                self.margin.served(now, served, worst or None)
         stats.record_batch(running.size, len(requests), job.input_ns, job.infer_ns,
                            time.perf_counter_ns() - t0)  # fmt: skip
         self._pump()
@@ -358,7 +376,7 @@ class Batcher:
                 continue
             if req.deadline <= now:
                 self._stats.timed_out += 1
-                self.margin.missed(now, req.deadline - req.arrival)
+                self.margin.missed(now, req.deadline - req.arrival, _overrun(req, now))
                 _fail(req, DeadlineExceeded(
                     f"request timed out after {(now - req.arrival) * 1e3:.1f} ms; the model "
                     f"'{self.label}' was still running its batch"
@@ -426,6 +444,13 @@ class Batcher:
                 _fail(req, error)
         self._heap.clear()
         self._fifo.clear()
+
+
+def _overrun(req: InferenceRequest, until: float) -> float | None:
+    """How many times its predicted time ``req`` has taken by ``until`` (None: no prediction)."""
+    if req.predicted <= req.arrival:
+        return None
+    return (until - req.arrival) / (req.predicted - req.arrival)
 
 
 def _fail(req: InferenceRequest, error: Exception) -> bool:

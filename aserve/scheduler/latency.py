@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
+from collections.abc import Callable
 
 
 class LatencyModel:
@@ -124,33 +126,101 @@ class AdmissionMargin:
     short misses its deadline. So admission multiplies each prediction by
     ``factor``, steered by what happens to the admitted: a miss raises it by
     ``raise_by``, every request served in time lowers it by ``lower_by``,
-    never below 1. An idle or lightly loaded server, which misses nothing,
-    stays at 1 and admits exactly on the prediction.
+    never below 1.
 
     Misses come in bursts (one slow batch fails all of its requests, and
     every request admitted before the raise was admitted on the old factor),
     so after a raise the next one waits ``hold`` seconds: the missed
     request's own time budget, within which those admitted before it are
     answered (as TCP cuts its window at most once per round trip).
+
+    What was learnt is forgotten with time too, not only with successes: the
+    excess over 1 halves every ``half_life`` seconds (at least
+    ``min_half_life``, else four of the last miss's budgets, so that a model
+    with long deadlines keeps it between the misses that steer it). A server
+    that refuses most of what comes serves few and would otherwise keep an
+    overload's margin for minutes after it ended. And the margin never
+    exceeds the evidence: ``observe`` is told, for each answered or missed
+    request, how its real time compared with its prediction (at least the
+    time it had, for a miss), and the factor stays at or under the largest
+    such ratio seen lately (forgotten at the same pace, capped at
+    ``ceiling``), so a burst of misses cannot stretch predictions further
+    than any request has actually overrun them.
+
+    Times are the caller's clock (``clock``, the batcher's).
     """
 
-    __slots__ = ("_ceiling", "_down", "_hold_until", "_up", "factor")
+    __slots__ = ("_at", "_ceiling", "_clock", "_down", "_evidence", "_excess", "_half_life",
+                 "_hold_until", "_min_half_life", "_up")  # fmt: skip
 
     def __init__(
-        self, raise_by: float = 0.25, lower_by: float = 0.0002, ceiling: float = 4.0
+        self,
+        raise_by: float = 0.25,
+        lower_by: float = 0.0002,
+        ceiling: float = 4.0,
+        min_half_life: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._up = 1.0 + raise_by
         self._down = 1.0 - lower_by
         self._ceiling = ceiling
-        self._hold_until = 0.0
-        self.factor = 1.0
+        self._min_half_life = min_half_life
+        self._half_life = min_half_life
+        self._clock = clock
+        self._hold_until = -math.inf
+        self._excess = 0.0  # factor - 1, as of ``_at``
+        self._evidence = 0.0  # the largest overrun ratio seen lately, less 1, as of ``_at``
+        self._at = clock()
 
-    def missed(self, now: float, hold: float) -> None:
+    def _decay(self, now: float) -> None:
+        dt = now - self._at
+        if dt > 0:
+            if self._excess > 0.0 or self._evidence > 0.0:
+                keep = 0.5 ** (dt / self._half_life)
+                self._excess *= keep
+                self._evidence *= keep
+            self._at = now
+
+    @property
+    def factor(self) -> float:
+        if self._excess == 0.0:
+            return 1.0  # the common case: nothing learnt, no clock read
+        self._decay(self._clock())
+        return 1.0 + self._excess
+
+    @factor.setter
+    def factor(self, value: float) -> None:
+        """Set the factor now (tests, and an operator's reset), as if evidence showed it."""
+        now = self._clock()
+        self._decay(now)
+        self._excess = max(min(value, self._ceiling) - 1.0, 0.0)
+        self._evidence = max(self._evidence, self._excess)
+
+    def observe(self, now: float, ratio: float) -> None:
+        """A request took ``ratio`` times its predicted time (a miss: at least)."""
+        over = min(ratio, self._ceiling) - 1.0
+        if over > self._evidence:
+            self._decay(now)
+            self._evidence = max(self._evidence, over)
+
+    def missed(self, now: float, hold: float, ratio: float | None = None) -> None:
+        """An admitted request missed its deadline; ``ratio`` as for :meth:`observe`."""
+        if ratio is not None:
+            self.observe(now, ratio)
         if now < self._hold_until:
             return
-        self.factor = min(self.factor * self._up, self._ceiling)
+        self._decay(now)
+        self._half_life = max(self._min_half_life, 4.0 * hold)
+        raised = (1.0 + self._excess) * self._up - 1.0
+        self._excess = min(raised, self._evidence)
         self._hold_until = now + hold
 
-    def served(self) -> None:
-        if self.factor > 1.0:
-            self.factor = max(self.factor * self._down, 1.0)
+    def served(self, now: float, count: int = 1, ratio: float | None = None) -> None:
+        """``count`` requests were served in time, the slowest ``ratio`` of its prediction."""
+        if ratio is not None:
+            self.observe(now, ratio)
+        if self._excess > 0.0:
+            self._decay(now)
+            self._excess = (1.0 + self._excess) * self._down**count - 1.0
+            if self._excess < 0.0:
+                self._excess = 0.0
