@@ -153,6 +153,25 @@ def test_admission_counts_batches_capped_by_the_deadline():
     assert predicted_finish(0.0, 30, 1, 1, 0.0, plain, cost, deadline=0.040) == pytest.approx(0.046)
 
 
+def test_what_load_taught_the_estimates_fades_while_the_model_is_idle():
+    """Batches slowed by a busy machine must not leave estimates that an idle server,
+    refusing on them, never gets to correct: over idle time each estimate's excess over
+    the lowest it has been, and the jitter, halve every idle half-life."""
+    lat = LatencyModel(8, idle_half_life=1.0)
+    lat.observe(4, 0.040)  # measured quiet (warm-up)
+    for i in range(40):
+        lat.observe(4, 0.080 if i % 2 else 0.240)  # a storm: slow and erratic
+    slow, jitter = lat.estimate(4), lat.spread
+    assert slow > 0.120 and jitter > 0.3
+    lat.relax(1.0)
+    assert lat.estimate(4) == pytest.approx(0.040 + (slow - 0.040) / 2)
+    assert lat.spread == pytest.approx(jitter / 2)
+    lat.relax(9.0)
+    assert lat.estimate(4) == pytest.approx(0.040, rel=0.01)
+    lat.relax(0.0)  # no idle time, no change
+    assert lat.estimate(4) == pytest.approx(0.040, rel=0.01)
+
+
 def test_high_estimate_widens_with_the_jitter_of_batches():
     lat = LatencyModel(8)
     for _ in range(30):
@@ -286,8 +305,9 @@ async def test_the_margin_stretches_only_waits_in_a_lasting_overload():
 
 
 async def test_an_idle_server_admits_a_burst_it_can_serve_after_a_storm():
-    """A storm of misses raises the margin; seconds later 32 requests sent together,
-    which one batch serves well within their deadline, are all admitted and served."""
+    """A storm of misses raises the margin, and its slow batches the latency estimates and
+    their spread; seconds later 32 requests sent together, which one batch serves well
+    within their deadline, are all admitted and served."""
     clock = FakeClock()
     engine = _Gated()
     pool = ExecutorPool(engine, 1, "m")  # type: ignore[arg-type]
@@ -310,6 +330,9 @@ async def test_an_idle_server_admits_a_burst_it_can_serve_after_a_storm():
                     await asyncio.wait_for(r.future, 10)
         stormy = batcher.margin.factor
         assert stormy > 2.0
+        for _ in range(20):  # and the batches that did run were slow and erratic (a busy CPU)
+            for size, slow in ((1, 3.0), (2, 5.0), (4, 2.0), (8, 4.0)):
+                batcher.latency.observe(size, slow * (0.028 + 0.001 * size))
         engine.gate.set()
         await asyncio.wait_for(busy.future, 10)
         clock.now += 3.0  # idle for a few seconds

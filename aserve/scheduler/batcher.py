@@ -77,6 +77,7 @@ class Batcher:
         self._rate = ArrivalRate()
         self.margin = AdmissionMargin(clock=clock)
         self._busy_since = 0.0  # when the batcher last went from idle to busy
+        self._quiet_since = clock()  # when it was last seen idle
         self._pool = pool
         self._stats = stats
         self._loop = asyncio.get_running_loop()
@@ -155,6 +156,8 @@ class Batcher:
             raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
         if not self._running and self._queued_requests + ahead_requests == 0:
             self._busy_since = now  # idle: a busy spell starts with this request
+            self.latency.relax(now - self._quiet_since)
+            self._quiet_since = now
         if not self.latency.known:
             return None
         # Promises are made on pessimistic latencies (see LatencyModel.high).
@@ -232,6 +235,8 @@ class Batcher:
                 break
             self._dispatch(self._form(decision.take, now), now)
         self._compact()
+        if not self._running and not self._queued_requests:
+            self._quiet_since = now
         self._arm_timer(wake_at)
 
     def _shed_hopeless(self, now: float) -> bool:

@@ -20,13 +20,25 @@ class LatencyModel:
     extrapolated (an upper bound for the usual affine cost curve), below the
     smallest the smallest's time is used. With nothing measured every size
     estimates 0.0 and callers treat the model as "unknown".
+
+    What load teaches fades while the model is idle (:meth:`relax`): batches
+    that ran slow because the machine was busy (a storm's refusals, other
+    tenants) leave estimates and jitter that nothing corrects once the
+    server, believing them, refuses everything and so runs no batch. So over
+    idle time each estimate's excess over the lowest it has been, and the
+    spread, halve every ``idle_half_life`` seconds; the next batches measure
+    what is true now.
     """
 
-    __slots__ = ("_alpha", "_max", "_measured", "_sizes", "spread")
+    __slots__ = ("_alpha", "_floor", "_half_life", "_max", "_measured", "_sizes", "spread")
 
-    def __init__(self, max_batch_size: int, alpha: float = 0.2) -> None:
+    def __init__(
+        self, max_batch_size: int, alpha: float = 0.2, idle_half_life: float = 1.0
+    ) -> None:
         self._max = max_batch_size
         self._alpha = alpha
+        self._half_life = idle_half_life
+        self._floor: dict[int, float] = {}  # the lowest estimate each size has had
         self._measured: dict[int, float] = {}
         self._sizes: list[int] = []  # measured sizes, ascending
         # How far a batch's time strays from its estimate, relative, on average
@@ -46,14 +58,28 @@ class LatencyModel:
             off = min(abs(seconds / old - 1.0), 1.0)  # one stall counts as 100%, no more
             self.spread += 0.1 * (off - self.spread)
         if old is None:
-            self._measured[size] = seconds
+            self._measured[size] = self._floor[size] = seconds
             bisect.insort(self._sizes, size)
         else:
             # One outlier (a huge input on a variable-shape model, a stall) may
             # at most double or halve an estimate; a lasting change still wins
             # within a few batches.
             new = old + self._alpha * (seconds - old)
-            self._measured[size] = min(max(new, old / 2), old * 2)
+            new = self._measured[size] = min(max(new, old / 2), old * 2)
+            if new < self._floor[size]:
+                self._floor[size] = new
+
+    def relax(self, idle_seconds: float) -> None:
+        """The model was idle for ``idle_seconds``: let what load taught fade by as much."""
+        if idle_seconds <= 0.0 or not self._measured:
+            return
+        keep = 0.5 ** (idle_seconds / self._half_life)
+        floor = self._floor
+        for size, value in self._measured.items():
+            low = floor[size]
+            if value > low:
+                self._measured[size] = low + (value - low) * keep
+        self.spread *= keep
 
     def estimate(self, size: int) -> float:
         # Called on every admission and every batching decision: a dict hit,
