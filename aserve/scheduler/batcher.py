@@ -31,6 +31,7 @@ from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
 from aserve.loop.request import InferenceRequest
 from aserve.scheduler.latency import AdmissionMargin, ArrivalRate, LatencyModel
+from aserve.scheduler.loop_lag import LoopLag
 from aserve.scheduler.policy import (
     BatchLimits,
     QueueView,
@@ -66,9 +67,11 @@ class Batcher:
         pool: ExecutorPool,
         stats: ModelStats,
         clock: Callable[[], float] = time.monotonic,
+        loop_lag: LoopLag | None = None,
     ) -> None:
         self.label = label  # "name/version", for messages
         self._clock = clock
+        self._lag = LoopLag.of_running_loop() if loop_lag is None else loop_lag
         self.limits = BatchLimits.build(
             batching.max_batch_size, batching.max_delay_ms, batching.preferred_batch_sizes
         )
@@ -182,12 +185,21 @@ class Batcher:
             now - self._busy_since > deadline - now
         ):
             finish = now + (finish - now) * self.margin.factor
+        # The loop's own lag, twice: the request waited in it before this handler ran
+        # (its client's clock was running), and its answer will wait in it again.
+        lag = self._lag.recent
+        finish += 2.0 * lag
         if finish > deadline:
             self._stats.rejected["deadline_unmeetable"] += 1
             raise Unavailable(
                 f"model '{self.label}' cannot meet the request's deadline: "
                 f"{(deadline - now) * 1e3:.1f} ms left, but {queued} request(s) "
                 f"ahead and the measured latencies predict {(finish - now) * 1e3:.1f} ms"
+                + (
+                    f" (with twice the event loop's lag of {lag * 1e3:.1f} ms)"
+                    if lag > 1e-3
+                    else ""
+                )
             )
         return predicted
 

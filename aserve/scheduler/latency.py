@@ -161,17 +161,20 @@ class AdmissionMargin:
     answered (as TCP cuts its window at most once per round trip).
 
     What was learnt is forgotten with time too, not only with successes: the
-    excess over 1 halves every ``half_life`` seconds (at least
-    ``min_half_life``, else four of the last miss's budgets, so that a model
-    with long deadlines keeps it between the misses that steer it). A server
-    that refuses most of what comes serves few and would otherwise keep an
-    overload's margin for minutes after it ended. And the margin never
-    exceeds the evidence: ``observe`` is told, for each answered or missed
-    request, how its real time compared with its prediction (at least the
-    time it had, for a miss), and the factor stays at or under the largest
-    such ratio seen lately (forgotten at the same pace, capped at
-    ``ceiling``), so a burst of misses cannot stretch predictions further
-    than any request has actually overrun them.
+    excess over 1 halves every ``min_half_life`` seconds (or four of the last
+    miss's budgets, if longer, so that a model with long deadlines keeps it
+    between the misses that steer it). A server that refuses most of what
+    comes serves few and would otherwise keep an overload's margin for
+    minutes after it ended. Not faster: under a lasting overload each raise
+    costs a few misses, and a margin that fades within seconds must be
+    raised, so missed, that much more often. And the margin never exceeds
+    the evidence: ``observe`` is told, for each answered or missed request,
+    how its real time compared with its prediction, and the factor stays at
+    or under the largest such ratio seen lately (forgotten at the same pace,
+    capped at ``ceiling``; a miss, whose real time is only known to exceed
+    its budget, counts one raise above its ratio), so a burst of misses
+    cannot stretch predictions much further than any request has actually
+    overrun them.
 
     Times are the caller's clock (``clock``, the batcher's).
     """
@@ -184,7 +187,7 @@ class AdmissionMargin:
         raise_by: float = 0.25,
         lower_by: float = 0.0002,
         ceiling: float = 4.0,
-        min_half_life: float = 2.0,
+        min_half_life: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._up = 1.0 + raise_by
@@ -230,9 +233,14 @@ class AdmissionMargin:
             self._evidence = max(self._evidence, over)
 
     def missed(self, now: float, hold: float, ratio: float | None = None) -> None:
-        """An admitted request missed its deadline; ``ratio`` as for :meth:`observe`."""
+        """An admitted request missed its deadline; ``ratio`` as for :meth:`observe`.
+
+        A miss's ratio is only a lower bound (its time is cut at its deadline, or
+        taken when the answer was already too late), so it justifies one raise
+        beyond it.
+        """
         if ratio is not None:
-            self.observe(now, ratio)
+            self.observe(now, ratio * self._up)
         if now < self._hold_until:
             return
         self._decay(now)
