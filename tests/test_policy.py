@@ -171,6 +171,9 @@ def test_what_load_taught_the_estimates_fades_while_the_model_is_idle():
     assert lat.estimate(4) == pytest.approx(0.040, rel=0.01)
     lat.relax(0.0)  # no idle time, no change
     assert lat.estimate(4) == pytest.approx(0.040, rel=0.01)
+    lat.observe(2, 0.200)  # a size first run in a storm: no quiet time of its own
+    lat.relax(10.0)
+    assert lat.estimate(2) == pytest.approx(0.040, rel=0.01)  # no longer than 4 at its best
 
 
 def test_high_estimate_widens_with_the_jitter_of_batches():

@@ -25,9 +25,9 @@ class LatencyModel:
     that ran slow because the machine was busy (a storm's refusals, other
     tenants) leave estimates and jitter that nothing corrects once the
     server, believing them, refuses everything and so runs no batch. So over
-    idle time each estimate's excess over the lowest it has been, and the
-    spread, halve every ``idle_half_life`` seconds; the next batches measure
-    what is true now.
+    idle time each estimate's excess over the lowest it (or any larger size)
+    has been, and the spread, halve every ``idle_half_life`` seconds; the
+    next batches measure what is true now.
     """
 
     __slots__ = ("_alpha", "_floor", "_half_life", "_max", "_measured", "_sizes", "spread")
@@ -74,9 +74,13 @@ class LatencyModel:
         if idle_seconds <= 0.0 or not self._measured:
             return
         keep = 0.5 ** (idle_seconds / self._half_life)
-        floor = self._floor
-        for size, value in self._measured.items():
-            low = floor[size]
+        # Toward the lowest each size has been, or that any larger size has been: a
+        # size first measured in a storm has only slow times of its own, but a batch
+        # takes no longer than a larger one did at its best.
+        low = math.inf
+        for size in reversed(self._sizes):
+            low = min(low, self._floor[size])
+            value = self._measured[size]
             if value > low:
                 self._measured[size] = low + (value - low) * keep
         self.spread *= keep
