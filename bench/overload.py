@@ -485,12 +485,15 @@ def run_open_loop(args: argparse.Namespace, ctx: Context, facts: dict[str, Any])
 
 
 def rerender(folder: Path) -> None:
-    """RESULTS-overload.md again from results-overload.json (after a change of layout)."""
+    """RESULTS-overload.md again from results-overload.json (after a change of layout),
+    keeping its hand-written notes block."""
     results = json.loads((folder / "results-overload.json").read_text())
+    md = folder / "RESULTS-overload.md"
+    notes = bench_report.kept_notes(md.read_text() if md.is_file() else "")  # by hand
     parts = [render(results)] if "points" in results else []
     if "storm" in results:
         parts.append(render_storms(results["storm"]))
-    (folder / "RESULTS-overload.md").write_text("\n".join(parts))
+    md.write_text("\n".join([*parts, notes, ""]))
 
 
 if __name__ == "__main__":

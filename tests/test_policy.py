@@ -281,9 +281,10 @@ def _request(clock: FakeClock, deadline_in: float) -> InferenceRequest:
 
 async def test_the_margin_stretches_only_waits_in_a_lasting_overload():
     """An old margin must not make a model whose load fell refuse what it can serve: a
-    request that would run at once, or that came within its own time budget of an idle
-    moment (a burst), is admitted on the prediction alone; only one that would wait in a
-    server busy for longer than that has its prediction stretched by the margin."""
+    request that would run at once, or that came in a spell that started after a rest at
+    least as long as its budget (a burst), is admitted on the prediction alone; one that
+    would wait in a server busy for longer, or rested only between an overload's batches,
+    has its prediction stretched by the margin."""
     clock = FakeClock()
     pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
     await pool.start()
@@ -293,6 +294,7 @@ async def test_the_margin_stretches_only_waits_in_a_lasting_overload():
         for size in (1, 4):
             batcher.latency.observe(size, 0.050)
         batcher.margin.factor = 4.0  # left high by an earlier overload
+        clock.now += 1.0  # and the server has rested since
         now = clock()
         batcher.check_admission(now, now + 0.100, 1)  # idle: 50 ms of 100, admitted
         ahead = _request(clock, 1.0)
@@ -301,10 +303,17 @@ async def test_the_margin_stretches_only_waits_in_a_lasting_overload():
         clock.now += 0.2  # busy for longer than the next one's budget: a lasting overload
         now = clock()
         with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
-            batcher.check_admission(now, now + 0.150, 1)  # would wait: ~3.8 x 50 ms
+            batcher.check_admission(now, now + 0.150, 1)  # would wait: ~4 x 50 ms
+        await asyncio.wait_for(ahead.future, 10)
+        clock.now += 0.01  # a moment idle between batches
+        later = _request(clock, 1.0)
+        batcher.submit(later)
+        now = clock()
+        with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
+            batcher.check_admission(now, now + 0.150, 1)  # still the overload's margin
         batcher.margin.factor = 1.0
         batcher.check_admission(now, now + 0.150, 1)  # one batch of both: 50 ms of 150
-        await asyncio.wait_for(ahead.future, 10)
+        await asyncio.wait_for(later.future, 10)
     finally:
         await pool.stop()
 
@@ -354,14 +363,16 @@ async def test_an_idle_server_admits_a_burst_it_can_serve_after_a_storm():
         await pool.stop()
 
 
-def test_loop_lag_rises_at_once_and_forgets_a_single_pause():
-    lag = LoopLag(fall=0.1)
-    lag.observe(0.001)
-    lag.observe(0.050)  # a pause
-    assert lag.recent == 0.050
+def test_loop_lag_counts_a_lasting_lag_and_forgets_a_single_pause():
+    lag = LoopLag(rise=0.3, fall=0.1)
+    lag.observe(0.050)  # one pause counts for a fraction of itself
+    assert lag.recent == pytest.approx(0.015)
     for _ in range(40):
-        lag.observe(0.001)
-    assert lag.recent < 0.002
+        lag.observe(0.0)
+    assert lag.recent < 0.0005
+    for _ in range(10):  # a lasting lag
+        lag.observe(0.060)
+    assert lag.recent == pytest.approx(0.060, rel=0.05)
 
 
 async def test_admission_counts_the_event_loops_lag_twice():
@@ -377,7 +388,8 @@ async def test_admission_counts_the_event_loops_lag_twice():
         batcher.latency.observe(1, 0.050)
         now = clock()
         batcher.check_admission(now, now + 0.150, 1)  # a prompt loop: admitted
-        lag.observe(0.060)
+        for _ in range(30):
+            lag.observe(0.060)
         with pytest.raises(Unavailable, match=r"twice the event loop's lag of 60\.0 ms"):
             batcher.check_admission(now, now + 0.150, 1)
         batcher.check_admission(now, now + 0.200, 1)  # 170 ms of 200: admitted

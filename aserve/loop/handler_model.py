@@ -173,7 +173,10 @@ class HandlerRuntime(ModelRuntime):
         backlog_s = (self._preprocessing // self._workers + 1) * self._preprocess_time.mean
         predicted = self.batcher.check_admission(
             now,
-            deadline - self._tail.high,  # the batch must leave postprocessing its time
+            # The batch must leave postprocessing its time, but never more than half
+            # of the budget (as infer() gives the batcher): a tail estimate that a storm
+            # blew up must not refuse every request, and so never be corrected.
+            deadline - min(self._tail.high, (deadline - now) / 2),
             request.batch_size,
             ahead_requests=self._preprocessing,
             ahead_items=self._preprocessing_items,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -79,8 +80,10 @@ class Batcher:
         self.latency = LatencyModel(batching.max_batch_size)
         self._rate = ArrivalRate()
         self.margin = AdmissionMargin(clock=clock)
-        self._busy_since = 0.0  # when the batcher last went from idle to busy
         self._quiet_since = clock()  # when it was last seen idle
+        # Until when a burst that found it rested is admitted on the measured latencies
+        # alone (see check_admission).
+        self._fresh_until = -math.inf
         self._pool = pool
         self._stats = stats
         self._loop = asyncio.get_running_loop()
@@ -158,8 +161,14 @@ class Batcher:
         if deadline <= now:
             raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
         if not self._running and self._queued_requests + ahead_requests == 0:
-            self._busy_since = now  # idle: a busy spell starts with this request
-            self.latency.relax(now - self._quiet_since)
+            # Idle: a busy spell starts with this request. After a rest at least as
+            # long as its budget, nothing admitted before is still waiting, and the
+            # spell starts fresh (a burst at an idle or lightly loaded server); a
+            # gap between the batches of an overload does not count.
+            rested = now - self._quiet_since
+            if rested >= deadline - now:
+                self._fresh_until = deadline
+            self.latency.relax(rested)
             self._quiet_since = now
         if not self.latency.known:
             return None
@@ -176,14 +185,12 @@ class Batcher:
         predicted = finish
         # What recent misses say the prediction is short by (1.0 unless overloaded),
         # for a request that would wait in a lasting overload. One that runs at
-        # once, or that arrives within its own time budget of an idle moment (a
-        # burst at an idle or lightly loaded server: the queue ahead is only what
-        # came with it, and the measured latencies are what will drain it), is
-        # admitted on the prediction alone: a server whose load fell serves what
-        # it can, and so lowers the margin, instead of refusing on an old factor.
-        if (self._free <= 0 or self._queued_items + ahead_items > 0) and (
-            now - self._busy_since > deadline - now
-        ):
+        # once, or that comes in a fresh spell (a burst at a rested server: the
+        # queue ahead is only what came with it, and the measured latencies are
+        # what will drain it), is admitted on the prediction alone: a server
+        # whose load fell serves what it can, and so lowers the margin, instead
+        # of refusing on an old factor.
+        if (self._free <= 0 or self._queued_items + ahead_items > 0) and (now > self._fresh_until):
             finish = now + (finish - now) * self.margin.factor
         # The loop's own lag, twice: the request waited in it before this handler ran
         # (its client's clock was running), and its answer will wait in it again.

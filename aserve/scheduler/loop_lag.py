@@ -9,9 +9,10 @@ their clients late. :class:`LoopLag` measures the wait with a timer that
 asks to run every ``interval`` seconds and records how late it ran; the
 batcher adds twice the recent lag to its predictions.
 
-``recent`` rises at once to a new high and falls by a fraction each tick
-(``fall``), so that one pause (a garbage collection) is forgotten within a
-fraction of a second while a lasting lag stays counted. One sampler runs per
+``recent`` moves toward each tick's lag, fast when it rises (``rise``) and
+slower when it falls (``fall``): one pause (a garbage collection, a burst's
+own parsing) counts for a fraction of itself and is forgotten within a
+fraction of a second, while a lasting lag is counted within a few ticks. One sampler runs per
 event loop, shared by every model on it; ticking costs about as much as
 answering one health probe every ``interval``.
 """
@@ -28,10 +29,11 @@ _SAMPLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopLag] = (
 
 
 class LoopLag:
-    __slots__ = ("_due", "_fall", "_interval", "_loop", "recent")
+    __slots__ = ("_due", "_fall", "_interval", "_loop", "_rise", "recent")
 
-    def __init__(self, interval: float = 0.02, fall: float = 0.1) -> None:
+    def __init__(self, interval: float = 0.02, rise: float = 0.3, fall: float = 0.1) -> None:
         self._interval = interval
+        self._rise = rise
         self._fall = fall
         self._loop: asyncio.AbstractEventLoop | None = None
         self._due = 0.0
@@ -39,10 +41,8 @@ class LoopLag:
 
     def observe(self, lag: float) -> None:
         """One tick ran ``lag`` seconds late."""
-        if lag >= self.recent:
-            self.recent = lag
-        else:
-            self.recent += self._fall * (lag - self.recent)
+        step = self._rise if lag >= self.recent else self._fall
+        self.recent += step * (lag - self.recent)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
