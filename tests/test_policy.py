@@ -397,6 +397,30 @@ async def test_admission_counts_the_event_loops_lag_twice():
         await pool.stop()
 
 
+async def test_a_burst_at_a_rested_server_is_admitted_on_one_batch_not_on_half_its_budget():
+    """32 requests sent together with 200 ms each, on a model whose batch costs 80 ms +
+    2 ms an item (32 in 144 ms): one batch serves them all in time. Admission used to
+    size the batches ahead by half the budget (10 items in 100 ms), predicting two or
+    more batches, and refused the burst from its 19th request on."""
+    clock = FakeClock()
+    pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
+    await pool.start()
+    try:
+        config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
+        batcher = Batcher(
+            "m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag()
+        )
+        for size in (1, 8, 32):
+            batcher.latency.observe(size, 0.080 + 0.002 * size)
+        clock.now += 5.0  # rested
+        burst = [_request(clock, 0.2) for _ in range(32)]
+        for r in burst:
+            batcher.submit(r)  # none refused
+        await asyncio.wait_for(asyncio.gather(*(r.future for r in burst)), 10)
+    finally:
+        await pool.stop()
+
+
 class _Gated(_Copy):
     """Returns its input once ``gate`` opens; records the batch sizes it ran."""
 

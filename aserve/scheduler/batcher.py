@@ -178,9 +178,18 @@ class Batcher:
         first_free = (
             start if self._free > 0 else min(r.started + high(r.size) for r in self._running)
         )
+        fresh = now <= self._fresh_until
+        # In a fresh spell everything ahead came with this request (a burst): none
+        # has a deadline before the spell's first one or the queue's earliest, so
+        # the batches ahead are sized by that, not by a guess at half the budget.
+        ahead_deadline = None
+        if fresh:
+            ahead_deadline = min(self._fresh_until, deadline)
+            if self._heap and self._heap[0].queued:  # (not a stale entry of earlier work)
+                ahead_deadline = min(ahead_deadline, self._heap[0].deadline)
         finish = predicted_finish(
             start, self._queued_items + ahead_items, items, self._pool.instances,
-            first_free, self.limits, high, deadline,
+            first_free, self.limits, high, deadline, ahead_deadline,
         )  # fmt: skip
         predicted = finish
         # What recent misses say the prediction is short by (1.0 unless overloaded),
@@ -190,7 +199,7 @@ class Batcher:
         # what will drain it), is admitted on the prediction alone: a server
         # whose load fell serves what it can, and so lowers the margin, instead
         # of refusing on an old factor.
-        if (self._free <= 0 or self._queued_items + ahead_items > 0) and (now > self._fresh_until):
+        if (self._free <= 0 or self._queued_items + ahead_items > 0) and not fresh:
             finish = now + (finish - now) * self.margin.factor
         # The loop's own lag, twice: the request waited in it before this handler ran
         # (its client's clock was running), and its answer will wait in it again.
