@@ -1,22 +1,33 @@
-"""Overload row: aserve alone, MiniLM at 3x and 5x capacity, 200 ms deadline per request.
+"""Overload rows: aserve under open-loop overload, under a retry storm, and just after one.
 
-    python -m bench.overload [--factors 3,5] [--deadline-ms 200] [--duration 10] \
-        [--capacity REQ_PER_S] [--quick]
+    python -m bench.overload [--parts open,storm] [--factors 3,5] [--deadline-ms 200] \
+        [--duration 10] [--capacity REQ_PER_S] [--quick] \
+        [--storm-configs torch-thread:1,...] [--clients 256] [--storm-seconds 6] [--gap 3]
 
-Capacity is the model's in-process ceiling (bench/peers/ceiling.py: MiniLM
-at its best batch size in a loop, one thread, tokenizing included) unless
-``--capacity`` is given. aserve serves MiniLM as in ``python -m bench.peers``
-(python handler: tokenize per request, the model per batch; max batch 32,
-max wait 5 ms, one thread). For each factor, ``bench.loadgen`` sends
-``factor x capacity`` requests per second in open loop, each with the
-deadline both client-side (given up and its connection closed when it
-passes) and in aserve's ``aserve-timeout-ms`` header, while it probes
-``GET /v2/health/ready`` every 50 ms. Reported: goodput (answers in time per
-second), the share of admitted (not refused) requests answered in time
-(target >= 0.99), how fast refusals come, and the health route's latency
-under overload next to its latency idle.
+Open loop (``--parts open``): MiniLM at 3x and 5x capacity. Capacity is the
+model's in-process ceiling (bench/peers/ceiling.py: MiniLM at its best batch
+size in a loop, one thread, tokenizing included) unless ``--capacity`` is
+given. aserve serves MiniLM as in ``python -m bench.peers`` (python handler:
+tokenize per request, the model per batch; max batch 32, max wait 5 ms, one
+thread). For each factor, ``bench.loadgen`` sends ``factor x capacity``
+requests per second in open loop, each with the deadline both client-side
+(given up and its connection closed when it passes) and in aserve's
+``aserve-timeout-ms`` header, while it probes ``GET /v2/health/ready`` every
+50 ms. Reported: goodput (answers in time per second), the share of admitted
+(not refused) requests answered in time (target >= 0.99), how fast refusals
+come, and the health route's latency under overload next to its latency idle.
 
-Writes ``RESULTS-overload.md`` and ``results-overload.json`` into ``--out-dir``.
+Storm (``--parts storm``): for each ``KIND:INSTANCES`` of ``--storm-configs``
+(``torch-thread``, ``torch-process``: the MLP of bench/models.py on the torch
+engine with that executor; ``handler``: MiniLM as above), the in-process
+capacity of that many instances (``bench.capacity``), then a server and
+``bench.storm`` against it: ``--clients`` closed-loop clients that resend the
+moment they have an answer, then, ``--gap`` seconds later, a burst that one
+batch serves in time. Targets: >= 0.99 of admitted in time, goodput >= 0.9 of
+capacity, no refusal of the burst, health p99 < 50 ms.
+
+A run of one part keeps the other part's last results. Writes
+``RESULTS-overload.md`` and ``results-overload.json`` into ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ import asyncio
 import json
 import os
 import shlex
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,11 +47,12 @@ from typing import Any
 
 from bench import report as bench_report
 from bench.loadgen import Target, build_get, exchange, percentile
-from bench.models import MODELS, default_cache_dir, model_file
+from bench.models import MODELS, default_cache_dir, model_file, sample_input
 from bench.peers import launch, venvs
-from bench.peers.launch import Context, Running
+from bench.peers.launch import Context, Plan, Running
 from bench.peers.run import TIMEOUT_HEADER, loadgen, log, reference, scrub, source_state
 from bench.servers import MODEL_ENV
+from bench.stats import window_delta
 
 TARGET_ADMITTED_IN_TIME = 0.99
 
@@ -126,6 +140,229 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# --- the retry storm and the burst after it ---------------------------------------------
+
+TARGET_GOODPUT_SHARE = 0.9  # of the in-process capacity of the same instances
+TARGET_HEALTH_P99_MS = 50.0
+STORM_CONFIGS = "torch-thread:1,torch-thread:2,torch-process:1,torch-process:2,handler:1,handler:2"
+
+
+def _storm_plan(kind: str, instances: int, ctx: Context, args: argparse.Namespace,
+                mlp_file: Path) -> Plan:  # fmt: skip
+    """aserve serving the MLP (torch, thread or process executor) or MiniLM (handler)."""
+    port = launch.free_port()
+    folder = ctx.scratch / f"storm-{kind}-{instances}"
+    folder.mkdir(parents=True, exist_ok=True)
+    batching = {"max_batch_size": args.max_batch, "max_delay_ms": args.max_wait_ms,
+                "max_queue_size": 1024, "timeout_ms": int(args.deadline_ms)}  # fmt: skip
+    if kind == "handler":
+        for name in ("common.py", "aserve_minilm.py"):
+            shutil.copy(launch.APPS / name, folder / name)
+        name = "minilm"
+        model = {
+            "name": name, "engine": "python", "handler": "aserve_minilm:MiniLMHandler",
+            "parameters": {"model_dir": str(ctx.minilm_dir)}, "instances": instances,
+            "executor": "process",
+            "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1]}],
+            "outputs": [{"name": "EMBEDDING", "datatype": "FP32", "shape": [384]}],
+            "batching": batching,
+        }  # fmt: skip
+    else:
+        shutil.copy(mlp_file, folder / "mlp.pt")
+        name = "mlp"
+        model = {
+            "name": name, "engine": "torch", "path": "mlp.pt", "device": "cpu",
+            "instances": instances, "cpu_threads": args.torch_threads,
+            "executor": "process" if kind == "torch-process" else "thread",
+            "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [64]}],
+            "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [64]}],
+            "batching": batching,
+        }  # fmt: skip
+    cfg = folder / "aserve.json"
+    cfg.write_text(json.dumps({"http": {"host": "127.0.0.1", "port": port}, "models": [model]}))
+    argv = [sys.executable, "-m", "aserve", "--config", str(cfg), "--port", str(port),
+            "--log-level", "WARNING"]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    return Plan(f"aserve {kind} x{instances}", argv, f"{base}/v2/models/{name}/infer",
+                ctx.base_env(), health_url=f"{base}/v2/health/ready",
+                stats_url=f"{base}/v2/models/{name}/stats")  # fmt: skip
+
+
+def _capacity(kind: str, instances: int, args: argparse.Namespace, ctx: Context,
+              mlp_file: Path) -> dict[str, Any]:  # fmt: skip
+    model = "minilm" if kind == "handler" else "mlp"
+    argv = [sys.executable, "-m", "bench.capacity", model, "--instances", str(instances),
+            "--batch", str(args.max_batch), "--seconds", str(args.capacity_seconds),
+            "--path", str(mlp_file)]  # fmt: skip
+    env = {**os.environ, **MODEL_ENV, **ctx.base_env()}
+    proc = subprocess.run(argv, cwd=launch.REPO, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"capacity probe failed:\n{proc.stderr[-2000:]}")
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
+def _burst_size(batch_ms: dict[str, float], deadline_ms: float) -> int:
+    """The largest timed batch that runs in a third of the deadline: one batch serves it in
+    time, with room for the jitter of a shared machine."""
+    fits = [int(k) for k, ms in batch_ms.items() if ms <= deadline_ms / 3]
+    return max(fits) if fits else min(int(k) for k in batch_ms)
+
+
+def _storm_point(kind: str, instances: int, args: argparse.Namespace, ctx: Context,
+                 mlp_file: Path, bodies: dict[str, Path]) -> dict[str, Any]:  # fmt: skip
+    cap = _capacity(kind, instances, args, ctx, mlp_file)
+    burst = min(_burst_size(cap["batch_ms"], args.deadline_ms), args.burst)
+    out: dict[str, Any] = {"kind": kind, "instances": instances, "capacity": cap,
+                           "burst_size": burst}  # fmt: skip
+    plan = _storm_plan(kind, instances, ctx, args, mlp_file)
+    body = bodies["handler" if kind == "handler" else "mlp"]
+    with Running(plan, body.read_bytes(), ctx.scratch / f"{plan.label}.log") as run:
+        out["cold_start_s"] = round(run.cold_start_s, 2)
+        assert plan.health_url is not None and plan.stats_url is not None
+        out["health_idle"] = asyncio.run(_idle_health(plan.health_url, 20))
+        argv = [sys.executable, "-m", "bench.storm", plan.url, "--body", str(body),
+                "--clients", str(args.clients), "--duration", str(args.storm_seconds),
+                "--warmup", str(args.point_warmup), "--deadline-ms", str(args.deadline_ms),
+                "--header", f"{TIMEOUT_HEADER}:{int(args.deadline_ms)}",
+                "--probe-url", plan.health_url, "--cpu-pid", str(run.pid),
+                "--snapshot-url", plan.stats_url, "--gap", str(args.gap),
+                "--burst", str(burst)]  # fmt: skip
+        wall = args.storm_seconds + args.point_warmup + args.gap + 120
+        proc = subprocess.run(argv, cwd=launch.REPO, capture_output=True, text=True,
+                              timeout=wall)  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"storm client failed ({proc.returncode}): "
+                               f"{proc.stderr[-2000:]}\nserver log:\n{run.log_tail()}")  # fmt: skip
+        got = json.loads(proc.stdout)
+        storm = got["storm"]
+        snaps = storm.pop("snapshots")
+        before, after = (snaps[k]["model_stats"][0] for k in ("start", "end"))
+        st = window_delta(before, after, storm["duration_s"])
+        storm["aserve_stats"] = st
+        # The loop's share of the server's CPU: its main process, less the model's own
+        # time where the model runs in that process's threads (thread executor).
+        in_main = st["model_s"] if kind == "torch-thread" else 0.0
+        loop_cpu = storm["server_main_cpu_s"] - in_main
+        storm["loop_cpu_util"] = loop_cpu / storm["duration_s"]
+        storm["loop_cpu_ms_per_answer"] = 1e3 * loop_cpu / max(storm["answered"], 1)
+        storm["capacity_share"] = storm["goodput_rps"] / cap["items_per_s"]
+        out["storm"], out["burst"] = storm, got.get("burst")
+        out["log_tail"] = run.log_tail(600)
+    return out
+
+
+def run_storms(args: argparse.Namespace, ctx: Context, facts: dict[str, Any]) -> dict[str, Any]:
+    """Every storm configuration, one server at a time."""
+    sys.path.insert(0, str(launch.APPS))
+    import common
+
+    mlp_file = model_file(MODELS["mlp"], ctx.cache)
+    bodies = {"mlp": ctx.scratch / "mlp-body.json", "handler": ctx.scratch / "minilm-body.json"}
+    item = {"name": "INPUT0", "shape": [1, 64], "datatype": "FP32",
+            "data": sample_input(MODELS["mlp"])}  # fmt: skip
+    bodies["mlp"].write_text(json.dumps({"inputs": [item]}))
+    bodies["handler"].write_bytes(common.request_body("minilm"))
+    points: dict[str, Any] = {}
+    for spec in args.storm_configs.split(","):
+        kind, _, n = spec.partition(":")
+        key = f"{kind} x{n}"
+        log(f"storm: {key}")
+        try:
+            p = _storm_point(kind, int(n), args, ctx, mlp_file, bodies)
+        except (RuntimeError, subprocess.SubprocessError, launch.StartError) as exc:
+            points[key] = {"kind": kind, "instances": int(n), "error": str(exc)[-2000:]}
+            log(f"  failed: {str(exc)[-300:]}")
+            continue
+        points[key] = p
+        s, b = p["storm"], p["burst"] or {}
+        log(f"  capacity {p['capacity']['items_per_s']:.0f}/s; storm: goodput "
+            f"{s['goodput_rps']:.0f}/s ({s['capacity_share']:.2f} of capacity), admitted in "
+            f"time {s['admitted_in_time_share']:.3f}, refusals {s['refusals_per_s']:.0f}/s, "
+            f"health p99 {s['probe']['p99_ms']:.1f} ms; burst of {b.get('size')}: refused "
+            f"{b.get('refused')}, in time {b.get('in_time')}")  # fmt: skip
+    return {"facts": facts, "points": points, "settings": {k: getattr(args, k) for k in (
+        "clients", "storm_seconds", "point_warmup", "gap", "deadline_ms", "max_batch",
+        "max_wait_ms", "torch_threads", "capacity_seconds")}}  # fmt: skip
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def render_storms(results: dict[str, Any]) -> str:
+    f, st = results["facts"], results["settings"]
+    lines = [
+        "# Retry storm, and a burst after it",
+        "",
+        f"Generated by `{f['command']}` on {f['date_utc']} in {f.get('wall_s', 0):.0f} s "
+        f"({f['cpu_model']}, {f['logical_cores']} cores; load average before "
+        f"{f['loadavg_before']}, after {f.get('loadavg_after')}); aserve from commit "
+        f"{f.get('aserve_source', 'unknown')}.",
+        "",
+        f"Storm: {st['clients']} closed-loop clients (`bench.storm`), each resending the moment "
+        f"it has an answer, refusals included; {st['deadline_ms']:.0f} ms deadline per request "
+        f"(the model's `timeout_ms` and the `{TIMEOUT_HEADER}` header); {st['point_warmup']} s "
+        f"unrecorded, then {st['storm_seconds']} s counted. In time = 200 within the deadline "
+        "of its send; admitted = answered - refused (429/503); 504s count as late. Health: "
+        "`GET /v2/health/ready` on a new connection every 50 ms from a separate process. "
+        f"Burst: {st['gap']} s after the storm ends, the requests that one batch serves in a third "
+        "of the deadline (sized from the in-process batch times) written together on open "
+        "connections; a refusal of it is a false refusal. Capacity: the in-process rate of the "
+        "same number of instances, batch "
+        f"{st['max_batch']}, one torch thread each, threads side by side (`bench.capacity`, run "
+        "just before the server starts). Batching: max batch "
+        f"{st['max_batch']}, max wait {st['max_wait_ms']} ms. Model: the MLP of `bench/models.py` "
+        "(TorchScript, torch engine) or all-MiniLM-L6-v2 behind a python handler (model in a "
+        "worker process, as in the open-loop rows).",
+        "",
+        "| server | capacity/s | goodput/s | / capacity | in time / admitted | answered/s "
+        "| refusals/s | refusal p99 ms | health p50 / p99 / max ms | loop CPU ms / answer "
+        "| margin at end | burst: refused / in time / size | other load (cores) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|",
+    ]
+    notes: list[str] = []
+    for key, p in results["points"].items():
+        if "error" in p:
+            lines.append(f"| {key} | failed: {p['error'][:200]} |")
+            continue
+        s, b, h = p["storm"], p["burst"] or {}, p["storm"]["probe"]
+        cap = p["capacity"]["items_per_s"]
+        busy = s["machine_busy_cores"] - s["server_tree_cpu_s"] / s["duration_s"] \
+            - s["client_cpu_util"]  # fmt: skip
+        lines.append(
+            f"| {key} | {cap:.0f} | {s['goodput_rps']:.0f} | {s['capacity_share']:.2f} "
+            f"| **{s['admitted_in_time_share']:.3f}** | {s['answered'] / s['duration_s']:.0f} "
+            f"| {s['refusals_per_s']:.0f} | {s['refusal_p99_ms']:.1f} "
+            f"| {h['p50_ms']:.1f} / {h['p99_ms']:.1f} / {h['max_ms']:.1f} "
+            f"| {s['loop_cpu_ms_per_answer']:.3f} "
+            f"| {s['aserve_stats'].get('admission_margin') or float('nan'):.2f} "
+            f"| {b.get('refused')} / {b.get('in_time')} / {b.get('size')} | {busy:.2f} |"
+        )
+        verdicts = [
+            f"in time / admitted {s['admitted_in_time_share']:.3f} (>= "
+            f"{TARGET_ADMITTED_IN_TIME}: {_met(s['admitted_in_time_share'] >= TARGET_ADMITTED_IN_TIME)})",
+            f"goodput {s['capacity_share']:.2f} of capacity (>= {TARGET_GOODPUT_SHARE}: "
+            f"{_met(s['capacity_share'] >= TARGET_GOODPUT_SHARE)})",
+            f"health p99 {h['p99_ms']:.1f} ms (< {TARGET_HEALTH_P99_MS:.0f}: "
+            f"{_met(h['p99_ms'] < TARGET_HEALTH_P99_MS)})",
+            f"burst refusals {b.get('refused')} of {b.get('size')} (0: {_met(b.get('refused') == 0)})",
+        ]
+        a = s["aserve_stats"]
+        notes.append(
+            f"- {key}: " + "; ".join(verdicts) + f". aserve: {a['executions']} batches (mean "
+            f"{a['mean_batch_size']:.1f}), model busy {a['model_busy']:.0%}, timed out "
+            f"{a['timed_out']}; ms per batch: "
+            + ", ".join(f"{k}: {v:.0f}" for k, v in list(a["model_ms_by_size"].items())[-6:])
+            + f"; in-process batch ms {', '.join(f'{k}: {v:.0f}' for k, v in p['capacity']['batch_ms'].items())}"
+            + f"; burst's slowest in-time answer {b.get('latencies_ms_max', float('nan')):.0f} ms,"
+            f" margin before it {b.get('margin_before') or float('nan'):.2f}."
+        )
+    lines += ["", *notes, ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     raw = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__.split("\n")[0])
@@ -138,25 +375,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--parts", default="open,storm", help="open (open loop), storm, or both")
+    p.add_argument("--storm-configs", default=STORM_CONFIGS, help="KIND:INSTANCES,...")
+    p.add_argument("--clients", type=int, default=256, help="storm: closed-loop clients")
+    p.add_argument("--storm-seconds", type=float, default=6.0)
+    p.add_argument("--gap", type=float, default=3.0, help="seconds from the storm to the burst")
+    p.add_argument("--burst", type=int, default=32, help="at most this many in the burst")
+    p.add_argument("--capacity-seconds", type=float, default=2.0)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--cache-dir", type=Path, default=None)
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent)
     args = p.parse_args(raw)
     if args.quick:
         args.duration, args.point_warmup, args.ceiling_seconds = 4.0, 1.0, 0.7
+    parts = set(args.parts.split(","))
     started = time.time()
     facts = bench_report.machine_facts(shlex.join(["python", "-m", "bench.overload", *raw]))
     facts["aserve_source"] = source_state()
     cache = args.cache_dir or default_cache_dir()
     os.environ.update(MODEL_ENV)
     minilm = venvs.ensure_minilm(cache)
-    results: dict[str, Any] = {
-        "facts": facts,
-        "settings": {k: getattr(args, k) for k in (
-            "factors", "deadline_ms", "duration", "point_warmup", "torch_threads",
-            "max_batch", "max_wait_ms")},
-        "points": {},
-    }  # fmt: skip
+    out_json = args.out_dir / "results-overload.json"
+    # A run of one part keeps the other part's last results.
+    results: dict[str, Any] = json.loads(out_json.read_text()) if out_json.is_file() else {}
     with tempfile.TemporaryDirectory(prefix="aserve-overload-") as tmp:
         scratch = Path(tmp)
         ctx = Context(
@@ -164,64 +405,95 @@ def main(argv: list[str] | None = None) -> int:
             torch_threads=args.torch_threads, max_batch=args.max_batch,
             max_wait_ms=args.max_wait_ms, tiny_model_file=model_file(MODELS["tiny"], cache),
         )  # fmt: skip
-        log("in-process reference" + ("" if args.capacity else " and ceiling"))
-        ref = reference(args, ctx, need_ceiling=args.capacity is None)
-        if args.capacity:
-            capacity, source = args.capacity, "given with --capacity"
-        else:
-            c = ref["minilm"]
-            capacity = c["best_items_per_s"]
-            source = f"in-process ceiling at batch {c['best_batch_size']}"
-            results["ceiling"] = c
-        results["capacity"], results["capacity_source"] = capacity, source
-        log(f"capacity {capacity:.1f}/s ({source})")
-        sys.path.insert(0, str(launch.APPS))
-        import common
-
-        body, expect = scratch / "body.json", scratch / "expect.json"
-        body.write_bytes(common.request_body("minilm"))
-        expect.write_text(json.dumps(ref["expected"]["minilm"]))
-        plan = launch.plan_for("aserve", ctx, "minilm")
-        with Running(plan, body.read_bytes(), scratch / "aserve.log") as run:
-            log(f"aserve up in {run.cold_start_s:.1f} s")
-            results["cold_start_s"] = run.cold_start_s
-            assert plan.health_url is not None
-            results["health_idle"] = asyncio.run(_idle_health(plan.health_url))
-            # Warm up (closed loop, no deadline), then the overload points with the header.
-            loadgen(run, body, expect, args, concurrency=16, duration=2.0, warmup=0.5)
-            plan.headers = {TIMEOUT_HEADER: str(int(args.deadline_ms))}
-            for factor in (float(x) for x in args.factors.split(",")):
-                key = f"{factor:g}"
-                try:
-                    o = loadgen(run, body, expect, args, rate=factor * capacity,
-                                duration=args.duration, warmup=args.point_warmup,
-                                deadline_ms=args.deadline_ms)  # fmt: skip
-                except RuntimeError as exc:
-                    results["points"][key] = {"error": str(exc)[-2000:]}
-                    log(f"  {key}x failed: {str(exc)[-300:]}")
-                    continue
-                results["points"][key] = o
-                h = o.get("probe") or {}
-                log(f"  {key}x ({o['rate']:.0f}/s): in time {o['ok_in_time']}/{o['sent']}, "
-                    f"refused {o['refused']}, late {o['late']}, admitted in time "
-                    f"{o['admitted_in_time_share']:.3f}, goodput {o['goodput_rps']:.1f}/s, "
-                    f"health p99 {h.get('p99_ms', float('nan')):.1f} ms")  # fmt: skip
-            results["peak_rss_mb"] = round(run.peak_rss / 2**20, 1)
-            results["log_tail"] = run.log_tail(1500)
-    facts["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
-    facts["wall_s"] = round(time.time() - started, 1)
+        if "open" in parts:
+            storms = results.get("storm")
+            results = run_open_loop(args, ctx, facts)
+            if storms is not None:
+                results["storm"] = storms
+        if "storm" in parts:
+            storm_facts = {**facts, "loadavg_before": [round(x, 2) for x in os.getloadavg()]}
+            t0 = time.time()
+            results["storm"] = run_storms(args, ctx, storm_facts)
+            storm_facts["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+            storm_facts["wall_s"] = round(time.time() - t0, 1)
+    if "open" in parts:
+        facts["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+        facts["wall_s"] = round(time.time() - started, 1)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results = scrub(results, {cache: "<cache>"})
-    (args.out_dir / "results-overload.json").write_text(json.dumps(results, indent=2) + "\n")
-    (args.out_dir / "RESULTS-overload.md").write_text(render(results))
+    out_json.write_text(json.dumps(results, indent=2) + "\n")
+    rerender(args.out_dir)
     log(f"wrote {args.out_dir / 'RESULTS-overload.md'}")
     return 0
 
 
+def run_open_loop(args: argparse.Namespace, ctx: Context, facts: dict[str, Any]) -> dict[str, Any]:
+    """The open-loop rows: MiniLM behind a handler at each factor of its capacity."""
+    results: dict[str, Any] = {
+        "facts": facts,
+        "settings": {k: getattr(args, k) for k in (
+            "factors", "deadline_ms", "duration", "point_warmup", "torch_threads",
+            "max_batch", "max_wait_ms")},
+        "points": {},
+    }  # fmt: skip
+    scratch = ctx.scratch
+    log("in-process reference" + ("" if args.capacity else " and ceiling"))
+    ref = reference(args, ctx, need_ceiling=args.capacity is None)
+    if args.capacity:
+        capacity, source = args.capacity, "given with --capacity"
+    else:
+        c = ref["minilm"]
+        capacity = c["best_items_per_s"]
+        source = f"in-process ceiling at batch {c['best_batch_size']}"
+        results["ceiling"] = c
+    results["capacity"], results["capacity_source"] = capacity, source
+    log(f"capacity {capacity:.1f}/s ({source})")
+    sys.path.insert(0, str(launch.APPS))
+    import common
+
+    body, expect = scratch / "body.json", scratch / "expect.json"
+    body.write_bytes(common.request_body("minilm"))
+    expect.write_text(json.dumps(ref["expected"]["minilm"]))
+    plan = launch.plan_for("aserve", ctx, "minilm")
+    with Running(plan, body.read_bytes(), scratch / "aserve.log") as run:
+        log(f"aserve up in {run.cold_start_s:.1f} s")
+        results["cold_start_s"] = run.cold_start_s
+        assert plan.health_url is not None
+        results["health_idle"] = asyncio.run(_idle_health(plan.health_url))
+        # Warm up (closed loop, no deadline), then the overload points with the header.
+        loadgen(run, body, expect, args, concurrency=16, duration=2.0, warmup=0.5)
+        plan.headers = {TIMEOUT_HEADER: str(int(args.deadline_ms))}
+        for factor in (float(x) for x in args.factors.split(",")):
+            key = f"{factor:g}"
+            try:
+                o = loadgen(run, body, expect, args, rate=factor * capacity,
+                            duration=args.duration, warmup=args.point_warmup,
+                            deadline_ms=args.deadline_ms)  # fmt: skip
+            except RuntimeError as exc:
+                results["points"][key] = {"error": str(exc)[-2000:]}
+                log(f"  {key}x failed: {str(exc)[-300:]}")
+                continue
+            results["points"][key] = o
+            h = o.get("probe") or {}
+            log(f"  {key}x ({o['rate']:.0f}/s): in time {o['ok_in_time']}/{o['sent']}, "
+                f"refused {o['refused']}, late {o['late']}, admitted in time "
+                f"{o['admitted_in_time_share']:.3f}, goodput {o['goodput_rps']:.1f}/s, "
+                f"health p99 {h.get('p99_ms', float('nan')):.1f} ms")  # fmt: skip
+        results["peak_rss_mb"] = round(run.peak_rss / 2**20, 1)
+        results["log_tail"] = run.log_tail(1500)
+    return results
+
+
 def rerender(folder: Path) -> None:
-    """RESULTS-overload.md again from results-overload.json (after a change of layout)."""
+    """RESULTS-overload.md again from results-overload.json (after a change of layout),
+    keeping its hand-written notes block."""
     results = json.loads((folder / "results-overload.json").read_text())
-    (folder / "RESULTS-overload.md").write_text(render(results))
+    md = folder / "RESULTS-overload.md"
+    notes = bench_report.kept_notes(md.read_text() if md.is_file() else "")  # by hand
+    parts = [render(results)] if "points" in results else []
+    if "storm" in results:
+        parts.append(render_storms(results["storm"]))
+    md.write_text("\n".join([*parts, notes, ""]))
 
 
 if __name__ == "__main__":

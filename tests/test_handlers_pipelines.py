@@ -152,6 +152,38 @@ def test_handler_requests_are_batched_between_pre_and_postprocessing(srv):
     assert max(o["data"][0] for doc in answers for o in doc["outputs"] if o["name"] == "BATCH") > 1
 
 
+def test_a_slow_postprocess_does_not_make_the_handler_refuse_every_short_deadline(
+    tmp_path: Path,
+) -> None:
+    """Postprocessing that once ran long (a busy machine) must not leave the handler
+    reserving more than a request's whole budget for it: that answered every request
+    whose deadline was shorter 504 "deadline already passed on arrival", so none ever
+    reached postprocessing to correct the estimate."""
+    copy_handler(tmp_path)
+    config = {"models": [_tokenizer_entry()]}
+    server = start_server(write_config(tmp_path, config))
+    url = f"{server.base}/v2/models/tokenizer/infer"
+
+    def body(text: str) -> dict[str, Any]:
+        return {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1],
+                            "data": [text]}]}  # fmt: skip
+
+    async def run() -> tuple[int, str]:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):  # postprocess takes 0.5 s: the tail estimate learns it
+                async with s.post(url, json=body("!slow one")) as r:
+                    assert r.status == 200, await r.text()
+            headers = {"aserve-timeout-ms": "300"}
+            async with s.post(url, json=body("quick"), headers=headers) as r:
+                return r.status, await r.text()
+
+    try:
+        status, text = asyncio.run(asyncio.wait_for(run(), 60))
+        assert status == 200, text
+    finally:
+        server.stop()
+
+
 def test_user_code_errors_fail_only_the_requests_they_touched(srv, client):
     async def mixed() -> list[tuple[int, dict[str, Any]]]:
         url = f"{srv.base}/v2/models/tokenizer/infer"

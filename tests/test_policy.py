@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
 
+import numpy as np
 import pytest
 
+from aserve.config import BatchingConfig
+from aserve.engines.executor import ExecutorPool
+from aserve.errors import DeadlineExceeded, Unavailable
+from aserve.loop.request import InferenceRequest
+from aserve.scheduler.batcher import Batcher
 from aserve.scheduler.latency import AdmissionMargin, ArrivalRate, LatencyModel
+from aserve.scheduler.loop_lag import LoopLag
 from aserve.scheduler.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
+from aserve.stats import ModelStats
 
 LIMITS = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[8, 16, 32])
 
@@ -144,6 +154,28 @@ def test_admission_counts_batches_capped_by_the_deadline():
     assert predicted_finish(0.0, 30, 1, 1, 0.0, plain, cost, deadline=0.040) == pytest.approx(0.046)
 
 
+def test_what_load_taught_the_estimates_fades_while_the_model_is_idle():
+    """Batches slowed by a busy machine must not leave estimates that an idle server,
+    refusing on them, never gets to correct: over idle time each estimate's excess over
+    the lowest it has been, and the jitter, halve every idle half-life."""
+    lat = LatencyModel(8, idle_half_life=1.0)
+    lat.observe(4, 0.040)  # measured quiet (warm-up)
+    for i in range(40):
+        lat.observe(4, 0.080 if i % 2 else 0.240)  # a storm: slow and erratic
+    slow, jitter = lat.estimate(4), lat.spread
+    assert slow > 0.120 and jitter > 0.3
+    lat.relax(1.0)
+    assert lat.estimate(4) == pytest.approx(0.040 + (slow - 0.040) / 2)
+    assert lat.spread == pytest.approx(jitter / 2)
+    lat.relax(9.0)
+    assert lat.estimate(4) == pytest.approx(0.040, rel=0.01)
+    lat.relax(0.0)  # no idle time, no change
+    assert lat.estimate(4) == pytest.approx(0.040, rel=0.01)
+    lat.observe(2, 0.200)  # a size first run in a storm: no quiet time of its own
+    lat.relax(10.0)
+    assert lat.estimate(2) == pytest.approx(0.040, rel=0.01)  # no longer than 4 at its best
+
+
 def test_high_estimate_widens_with_the_jitter_of_batches():
     lat = LatencyModel(8)
     for _ in range(30):
@@ -155,25 +187,71 @@ def test_high_estimate_widens_with_the_jitter_of_batches():
     assert 1.3 < lat.high(4) / lat.estimate(4) < 1.7
 
 
+class FakeClock:
+    """The batcher's clock in these tests: time moves only when the test says so."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_admission_margin_rises_once_per_burst_and_decays_with_successes():
-    margin = AdmissionMargin(raise_by=0.25, lower_by=0.01)
-    for _ in range(50):
-        margin.served()
+    clock = FakeClock()  # time's own decay is out of the way here: a half-life of years
+    margin = AdmissionMargin(raise_by=0.25, lower_by=0.01, min_half_life=1e9, clock=clock)
+    now = clock()
+    margin.served(now, 50)
     assert margin.factor == 1.0  # never below 1: an unloaded server admits on the prediction
     for i in range(8):  # one slow batch fails 8 requests within one deadline's length
-        margin.missed(now=10.0 + 0.001 * i, hold=0.2)
+        margin.missed(now + 0.001 * i, hold=0.2, ratio=4.0)
     assert margin.factor == pytest.approx(1.25)
-    margin.missed(now=10.3, hold=0.2)  # a miss after the hold raises again
+    margin.missed(now + 0.3, hold=0.2, ratio=4.0)  # a miss after the hold raises again
     assert margin.factor == pytest.approx(1.25**2)
     for _ in range(10):
-        margin.served()
+        margin.served(now)
     assert margin.factor == pytest.approx(1.25**2 * 0.99**10)
-    for _ in range(1000):
-        margin.served()
+    margin.served(now, 1000)
     assert margin.factor == 1.0
     for i in range(100):
-        margin.missed(now=20.0 + i, hold=0.2)
-    assert margin.factor == 4.0  # capped
+        margin.missed(now + 1.0 + 0.3 * i, hold=0.2, ratio=100.0)
+    assert margin.factor == pytest.approx(4.0)  # capped
+
+
+def test_admission_margin_fades_with_time_alone():
+    """A server that serves nothing (it refuses all, or nothing comes) still forgets an
+    old overload: the excess over 1 halves every half-life, which is four of the last
+    miss's budgets, at least ``min_half_life``."""
+    clock = FakeClock()
+    margin = AdmissionMargin(min_half_life=2.0, clock=clock)
+    margin.factor = 3.0
+    clock.now += 2.0
+    assert margin.factor == pytest.approx(2.0)
+    clock.now += 20.0
+    assert margin.factor == pytest.approx(1.0 + 2.0 * 0.5**11)
+    margin.factor = 3.0
+    margin.missed(clock(), hold=5.0, ratio=5.0)  # long deadlines: a longer memory
+    clock.now += 20.0
+    assert margin.factor == pytest.approx(1.0 + 2.75 * 0.5)
+
+
+def test_admission_margin_never_exceeds_what_misses_showed():
+    """Misses by 10% over the prediction justify a margin of about 1.1 (one raise of 25%
+    above it, since a miss's time is cut at its deadline), however many there are."""
+    clock = FakeClock()
+    margin = AdmissionMargin(clock=clock)
+    for _ in range(40):
+        clock.now += 0.3  # past each hold: every miss may raise
+        margin.missed(clock(), hold=0.2, ratio=1.1)
+    assert 1.2 < margin.factor <= 1.1 * 1.25 + 1e-9
+    clock.now += 0.3
+    margin.missed(clock(), hold=0.2)  # a miss without a prediction shows nothing
+    assert margin.factor <= 1.1 * 1.25 + 1e-9
+    margin.served(clock(), 1, ratio=2.0)  # served, but twice as late as predicted
+    for _ in range(3):
+        clock.now += 0.3
+        margin.missed(clock(), hold=0.2, ratio=1.0)
+    assert 1.9 < margin.factor <= 2.0
 
 
 class _Copy:
@@ -185,8 +263,6 @@ class _Copy:
         return None
 
     def stack_inputs(self, parts):
-        import numpy as np
-
         return {"X": np.concatenate([p["X"] for p in parts])}
 
     def check_outputs(self, outputs, batch_size: int) -> None:
@@ -196,39 +272,151 @@ class _Copy:
         return {"Y": inputs["X"]}
 
 
-async def test_a_request_that_would_run_at_once_is_admitted_whatever_the_margin():
-    """An old margin must not make a model whose load fell refuse everything: only
-    a request that would wait has its prediction stretched by it."""
-    import asyncio
-    import time
+def _request(clock: FakeClock, deadline_in: float) -> InferenceRequest:
+    loop = asyncio.get_running_loop()
+    now = clock()
+    return InferenceRequest({"X": np.zeros((1, 1), np.float32)}, 1, (), now, now + deadline_in,
+                            loop.create_future(), None, None)  # fmt: skip
 
-    import numpy as np
 
-    from aserve.config import BatchingConfig
-    from aserve.engines.executor import ExecutorPool
-    from aserve.errors import Unavailable
-    from aserve.loop.request import InferenceRequest
-    from aserve.scheduler.batcher import Batcher
-    from aserve.stats import ModelStats
-
+async def test_the_margin_stretches_only_waits_in_a_lasting_overload():
+    """An old margin must not make a model whose load fell refuse what it can serve: a
+    request that would run at once, or that came in a spell that started after a rest at
+    least as long as its budget (a burst), is admitted on the prediction alone; one that
+    would wait in a server busy for longer, or rested only between an overload's batches,
+    has its prediction stretched by the margin."""
+    clock = FakeClock()
     pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
     await pool.start()
     try:
-        batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"))
+        batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
+                          clock=clock, loop_lag=LoopLag())  # fmt: skip
         for size in (1, 4):
             batcher.latency.observe(size, 0.050)
         batcher.margin.factor = 4.0  # left high by an earlier overload
-        now = time.monotonic()
+        clock.now += 1.0  # and the server has rested since
+        now = clock()
         batcher.check_admission(now, now + 0.100, 1)  # idle: 50 ms of 100, admitted
-        loop = asyncio.get_running_loop()
-        ahead = InferenceRequest({"X": np.zeros((1, 1), np.float32)}, 1, (), now, now + 1.0,
-                                 loop.create_future(), None, None)  # fmt: skip
+        ahead = _request(clock, 1.0)
         batcher.submit(ahead)  # queued (dispatched on the next loop pass)
+        batcher.check_admission(now, now + 0.150, 1)  # would wait, but came with `ahead`
+        clock.now += 0.2  # busy for longer than the next one's budget: a lasting overload
+        now = clock()
         with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
-            batcher.check_admission(now, now + 0.150, 1)  # would wait: 4 x 50 ms
+            batcher.check_admission(now, now + 0.150, 1)  # would wait: ~4 x 50 ms
+        await asyncio.wait_for(ahead.future, 10)
+        clock.now += 0.01  # a moment idle between batches
+        later = _request(clock, 1.0)
+        batcher.submit(later)
+        now = clock()
+        with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
+            batcher.check_admission(now, now + 0.150, 1)  # still the overload's margin
         batcher.margin.factor = 1.0
         batcher.check_admission(now, now + 0.150, 1)  # one batch of both: 50 ms of 150
-        await asyncio.wait_for(ahead.future, 5)
+        await asyncio.wait_for(later.future, 10)
+    finally:
+        await pool.stop()
+
+
+async def test_an_idle_server_admits_a_burst_it_can_serve_after_a_storm():
+    """A storm of misses raises the margin, and its slow batches the latency estimates and
+    their spread; seconds later 32 requests sent together, which one batch serves well
+    within their deadline, are all admitted and served."""
+    clock = FakeClock()
+    engine = _Gated()
+    pool = ExecutorPool(engine, 1, "m")  # type: ignore[arg-type]
+    await pool.start()
+    try:
+        config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
+        batcher = Batcher(
+            "m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag()
+        )
+        for size in range(1, 33):  # 28 ms + 1 ms per item: a batch of 32 in 60 ms
+            batcher.latency.observe(size, 0.028 + 0.001 * size)
+        busy = _request(clock, 60.0)
+        batcher.submit(busy)  # holds the only instance through the storm
+        assert await asyncio.to_thread(engine.started.wait, 10)
+        for _ in range(6):  # six rounds of admitted requests that all miss (the model stalls)
+            missed = [_request(clock, 0.2) for _ in range(8)]
+            for r in missed:
+                batcher.submit(r)
+            clock.now += 0.3
+            for r in missed:
+                with pytest.raises(DeadlineExceeded):
+                    await asyncio.wait_for(r.future, 10)
+        stormy = batcher.margin.factor
+        assert stormy > 2.0
+        for _ in range(20):  # and the batches that did run were slow and erratic (a busy CPU)
+            for size, slow in ((1, 3.0), (2, 5.0), (4, 2.0), (8, 4.0)):
+                batcher.latency.observe(size, slow * (0.028 + 0.001 * size))
+        engine.gate.set()
+        await asyncio.wait_for(busy.future, 10)
+        clock.now += 3.0  # idle for a few seconds
+        burst = [_request(clock, 0.2) for _ in range(32)]
+        for r in burst:
+            batcher.submit(r)  # none refused
+        await asyncio.wait_for(asyncio.gather(*(r.future for r in burst)), 10)
+        assert engine.sizes[-1] == 32  # one batch
+        assert batcher.margin.factor < stormy  # and the margin fades
+    finally:
+        engine.gate.set()
+        await pool.stop()
+
+
+def test_loop_lag_counts_a_lasting_lag_and_forgets_a_single_pause():
+    lag = LoopLag(rise=0.3, fall=0.1)
+    lag.observe(0.050)  # one pause counts for a fraction of itself
+    assert lag.recent == pytest.approx(0.015)
+    for _ in range(40):
+        lag.observe(0.0)
+    assert lag.recent < 0.0005
+    for _ in range(10):  # a lasting lag
+        lag.observe(0.060)
+    assert lag.recent == pytest.approx(0.060, rel=0.05)
+
+
+async def test_admission_counts_the_event_loops_lag_twice():
+    """A loop that runs its callbacks 60 ms late delays a request before its handler and
+    its answer after: 50 ms of model time then needs 170 ms of a 150 ms budget."""
+    clock = FakeClock()
+    lag = LoopLag()
+    pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
+    await pool.start()
+    try:
+        batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
+                          clock=clock, loop_lag=lag)  # fmt: skip
+        batcher.latency.observe(1, 0.050)
+        now = clock()
+        batcher.check_admission(now, now + 0.150, 1)  # a prompt loop: admitted
+        for _ in range(30):
+            lag.observe(0.060)
+        with pytest.raises(Unavailable, match=r"twice the event loop's lag of 60\.0 ms"):
+            batcher.check_admission(now, now + 0.150, 1)
+        batcher.check_admission(now, now + 0.200, 1)  # 170 ms of 200: admitted
+    finally:
+        await pool.stop()
+
+
+async def test_a_burst_at_a_rested_server_is_admitted_on_one_batch_not_on_half_its_budget():
+    """32 requests sent together with 200 ms each, on a model whose batch costs 80 ms +
+    2 ms an item (32 in 144 ms): one batch serves them all in time. Admission used to
+    size the batches ahead by half the budget (10 items in 100 ms), predicting two or
+    more batches, and refused the burst from its 19th request on."""
+    clock = FakeClock()
+    pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
+    await pool.start()
+    try:
+        config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
+        batcher = Batcher(
+            "m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag()
+        )
+        for size in (1, 8, 32):
+            batcher.latency.observe(size, 0.080 + 0.002 * size)
+        clock.now += 5.0  # rested
+        burst = [_request(clock, 0.2) for _ in range(32)]
+        for r in burst:
+            batcher.submit(r)  # none refused
+        await asyncio.wait_for(asyncio.gather(*(r.future for r in burst)), 10)
     finally:
         await pool.stop()
 
@@ -237,12 +425,12 @@ class _Gated(_Copy):
     """Returns its input once ``gate`` opens; records the batch sizes it ran."""
 
     def __init__(self) -> None:
-        import threading
-
         self.gate = threading.Event()
+        self.started = threading.Event()  # a batch is held at the gate
         self.sizes: list[int] = []
 
     def run(self, inputs, instance):
+        self.started.set()
         self.gate.wait(10)
         self.sizes.append(len(inputs["X"]))
         return {"Y": inputs["X"]}
@@ -253,41 +441,26 @@ class _Gated(_Copy):
     [(150, True), (250, False)],  # room for a batch of 1 (of 8 waiting), or of 2
 )
 async def test_the_head_is_given_up_only_for_a_batch_under_a_quarter_of_the_queue(head_ms, shed):
-    import asyncio
-    import time
-
-    import numpy as np
-
-    from aserve.config import BatchingConfig
-    from aserve.engines.executor import ExecutorPool
-    from aserve.errors import DeadlineExceeded
-    from aserve.loop.request import InferenceRequest
-    from aserve.scheduler.batcher import Batcher
-    from aserve.stats import ModelStats
-
+    clock = FakeClock()
     engine = _Gated()
     pool = ExecutorPool(engine, 1, "m")  # type: ignore[arg-type]
     await pool.start()
-    loop = asyncio.get_running_loop()
-
-    def request(deadline_in: float) -> InferenceRequest:
-        now = time.monotonic()
-        return InferenceRequest({"X": np.zeros((1, 1), np.float32)}, 1, (), now,
-                                now + deadline_in, loop.create_future(), None, None)  # fmt: skip
-
     try:
         config = BatchingConfig(max_batch_size=8, max_delay_ms=0)
-        batcher = Batcher("m/1", config, pool, ModelStats("m", "1"))
-        busy = request(10.0)
+        batcher = Batcher(
+            "m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag()
+        )
+        busy = _request(clock, 10.0)
         batcher.submit(busy)  # takes the only instance, held at the gate
-        await asyncio.sleep(0.05)
-        head = request(head_ms / 1000)
-        rest = [request(10.0) for _ in range(7)]
+        assert await asyncio.to_thread(engine.started.wait, 10)
+        clock.now += 0.05  # the busy batch has run 50 ms when the others arrive
+        head = _request(clock, head_ms / 1000)
+        rest = [_request(clock, 10.0) for _ in range(7)]
         for r in (head, *rest):
             batcher.submit(r)
         for size in range(1, 9):  # 100 ms per item, learned only now: all were admitted
             batcher.latency.observe(size, 0.1 * size)
-        engine.gate.set()
+        engine.gate.set()  # the busy batch ends now, at +50 ms: the head has head_ms - 50 left
         await asyncio.wait_for(asyncio.gather(busy.future, *(r.future for r in rest)), 10)
         if shed:
             with pytest.raises(DeadlineExceeded, match="enough only for a batch of 1 while 8"):

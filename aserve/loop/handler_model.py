@@ -128,7 +128,7 @@ class HandlerRuntime(ModelRuntime):
             deadline = now + timeout_s
             handler = self._engine.handler
             request = HandlerRequest(inputs, batch_size, dict(parameters or {}), client_id)
-            arrays = await self._preprocess(request, now, deadline)
+            arrays, predicted = await self._preprocess(request, now, deadline)
             size, key = self._batch_of(arrays)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -142,17 +142,26 @@ class HandlerRuntime(ModelRuntime):
             response = await self._in_threads(handler.postprocess, "postprocess", outputs, request)
             done = time.monotonic()
             self._tail.add(done - t0)
-            if done > deadline - ANSWER_SLACK * timeout_s and self.batcher is not None:
+            slack = ANSWER_SLACK * timeout_s
+            if done > deadline - slack and self.batcher is not None:
                 # Answered too late for the client, or so close to its deadline that
                 # encoding and sending the answer (behind whatever else the loop has
-                # to do) may well make it late: admission was too optimistic.
-                self.batcher.margin.missed(done, timeout_s)
+                # to do) may well make it late: admission was too optimistic, by as
+                # much as its time with the answer's slack exceeds the prediction.
+                ratio = None
+                if predicted is not None and predicted + self._tail.high > now:
+                    ratio = (done + slack - now) / (predicted + self._tail.high - now)
+                self.batcher.margin.missed(done, timeout_s, ratio)
             return self._response(response, batch_size)
         finally:
             self.inflight -= 1
 
-    async def _preprocess(self, request: HandlerRequest, now: float, deadline: float) -> Any:
+    async def _preprocess(
+        self, request: HandlerRequest, now: float, deadline: float
+    ) -> tuple[Any, float | None]:
         """``preprocess`` in the handler threads, admitted first as the batcher would.
+
+        Returns its result and when admission predicts the request's batch done.
 
         Under overload the handler threads' queue is where requests would pile
         up, unbounded and unseen by the batcher, until their deadlines were
@@ -163,9 +172,12 @@ class HandlerRuntime(ModelRuntime):
         """
         assert self.batcher is not None and self._engine is not None
         backlog_s = (self._preprocessing // self._workers + 1) * self._preprocess_time.mean
-        self.batcher.check_admission(
+        predicted = self.batcher.check_admission(
             now,
-            deadline - self._tail.high,  # the batch must leave postprocessing its time
+            # The batch must leave postprocessing its time, but never more than half
+            # of the budget (as infer() gives the batcher): a tail estimate that a storm
+            # blew up must not refuse every request, and so never be corrected.
+            deadline - min(self._tail.high, (deadline - now) / 2),
             request.batch_size,
             ahead_requests=self._preprocessing,
             ahead_items=self._preprocessing_items,
@@ -174,10 +186,11 @@ class HandlerRuntime(ModelRuntime):
         self._preprocessing += 1
         self._preprocessing_items += request.batch_size
         try:
-            return await asyncio.wait_for(
+            arrays = await asyncio.wait_for(
                 self._in_threads(self._timed_preprocess, "preprocess", request),
                 deadline - now,
             )
+            return arrays, predicted
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
                 f"request deadline passed waiting for preprocessing on '{self.label}'"

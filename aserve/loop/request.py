@@ -35,6 +35,7 @@ class InferenceRequest:
         "future",
         "inputs",
         "parameters",
+        "predicted",
         "queued",
         "seq",
         "shape_key",
@@ -63,6 +64,7 @@ class InferenceRequest:
         self.queued = False  # True while it sits in a batcher's queue
         self.dispatched = 0.0  # when its batch went to an executor (0: not yet)
         self.compute_ns = 0  # its batch's time in the engine, once answered
+        self.predicted = 0.0  # when admission expected it done (0: nothing measured yet)
 
     def __lt__(self, other: InferenceRequest) -> bool:
         # Heap order: earliest deadline first, then first come.

@@ -8,9 +8,10 @@ module keeps the state they need and carries them out:
 - The queue is a heap by deadline. Cancelled requests are marked and skipped
   lazily; expired ones are answered with a timeout when they reach the top,
   and a timer wakes the batcher at the earliest deadline so none waits long.
-- Times are ``time.monotonic()`` seconds (uvloop's ``loop.time()`` has only
-  millisecond resolution, too coarse for latency estimates); timers are armed
-  with ``call_later``.
+- Times are ``clock()`` seconds, ``time.monotonic()`` unless a test injects a
+  fake (uvloop's ``loop.time()`` has only millisecond resolution, too coarse
+  for latency estimates); timers are armed with ``call_later``, their delays
+  computed from the same clock.
 - ``_pump`` runs the policy whenever something changes: an arrival (coalesced
   with ``call_soon``, so requests parsed in the same loop pass batch
   together), a finished batch, or a timer.
@@ -21,15 +22,17 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import time
 from collections import deque
-from time import monotonic
+from collections.abc import Callable
 
 from aserve.config import BatchingConfig
 from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
 from aserve.loop.request import InferenceRequest
 from aserve.scheduler.latency import AdmissionMargin, ArrivalRate, LatencyModel
+from aserve.scheduler.loop_lag import LoopLag
 from aserve.scheduler.policy import (
     BatchLimits,
     QueueView,
@@ -64,15 +67,23 @@ class Batcher:
         batching: BatchingConfig,
         pool: ExecutorPool,
         stats: ModelStats,
+        clock: Callable[[], float] = time.monotonic,
+        loop_lag: LoopLag | None = None,
     ) -> None:
         self.label = label  # "name/version", for messages
+        self._clock = clock
+        self._lag = LoopLag.of_running_loop() if loop_lag is None else loop_lag
         self.limits = BatchLimits.build(
             batching.max_batch_size, batching.max_delay_ms, batching.preferred_batch_sizes
         )
         self.max_queue_size = batching.max_queue_size
         self.latency = LatencyModel(batching.max_batch_size)
         self._rate = ArrivalRate()
-        self.margin = AdmissionMargin()
+        self.margin = AdmissionMargin(clock=clock)
+        self._quiet_since = clock()  # when it was last seen idle
+        # Until when a burst that found it rested is admitted on the measured latencies
+        # alone (see check_admission).
+        self._fresh_until = -math.inf
         self._pool = pool
         self._stats = stats
         self._loop = asyncio.get_running_loop()
@@ -119,7 +130,7 @@ class Batcher:
 
     def submit(self, req: InferenceRequest) -> None:
         """Queue ``req`` or raise at once (QueueFull / Unavailable / DeadlineExceeded)."""
-        self.check_admission(req.arrival, req.deadline, req.batch_size)
+        req.predicted = self.check_admission(req.arrival, req.deadline, req.batch_size) or 0.0
         now = req.arrival
         req.queued = True
         heapq.heappush(self._heap, req)
@@ -139,13 +150,16 @@ class Batcher:
         ahead_requests: int = 0,
         ahead_items: int = 0,
         ready_at: float | None = None,
-    ) -> None:
+    ) -> float | None:
         """Raise what :meth:`submit` would refuse a request of ``items`` with.
 
         ``ahead_*`` count requests not queued yet that will be (a handler
         model's requests in preprocessing), and ``ready_at`` is when this one
         can join the queue (after its own preprocessing): a request that
         would only be refused after that work is refused before it.
+        Returns when the measured latencies say it will be done, before any
+        margin (None while nothing is measured): what its real time is
+        compared with, to tell the margin how far predictions fall short.
         """
         if self._closed:
             raise Unavailable(f"model '{self.label}' is unloading")
@@ -158,32 +172,66 @@ class Batcher:
             )
         if deadline <= now:
             raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
-        if self.latency.known:
-            # Promises are made on pessimistic latencies (see LatencyModel.high).
-            high = self.latency.high
-            start = now if ready_at is None else ready_at
-            first_free = (
-                start
-                if self._free > 0 or not self._running
-                else min(r.started + high(r.size) for r in self._running)
-            )
-            finish = predicted_finish(
-                start, self._queued_items + ahead_items, items, self._pool.live,
-                first_free, self.limits, high, deadline,
-            )  # fmt: skip
-            # What recent misses say the prediction is short by (1.0 unless overloaded),
-            # for a request that would wait: one that runs at once is admitted on the
-            # prediction alone, so that a server whose load fell serves, and so
-            # lowers the margin, instead of refusing everything on an old factor.
-            if self._free <= 0 or self._queued_items + ahead_items > 0:
-                finish = now + (finish - now) * self.margin.factor
-            if finish > deadline:
-                self._stats.rejected["deadline_unmeetable"] += 1
-                raise Unavailable(
-                    f"model '{self.label}' cannot meet the request's deadline: "
-                    f"{(deadline - now) * 1e3:.1f} ms left, but {queued} request(s) "
-                    f"ahead and the measured latencies predict {(finish - now) * 1e3:.1f} ms"
+        if not self._running and self._queued_requests + ahead_requests == 0:
+            # Idle: a busy spell starts with this request. After a rest at least as
+            # long as its budget, nothing admitted before is still waiting, and the
+            # spell starts fresh (a burst at an idle or lightly loaded server); a
+            # gap between the batches of an overload does not count.
+            rested = now - self._quiet_since
+            if rested >= deadline - now:
+                self._fresh_until = deadline
+            self.latency.relax(rested)
+            self._quiet_since = now
+        if not self.latency.known:
+            return None
+        # Promises are made on pessimistic latencies (see LatencyModel.high).
+        high = self.latency.high
+        start = now if ready_at is None else ready_at
+        first_free = (
+            start
+            if self._free > 0 or not self._running
+            else min(r.started + high(r.size) for r in self._running)
+        )
+        fresh = now <= self._fresh_until
+        # In a fresh spell everything ahead came with this request (a burst): none
+        # has a deadline before the spell's first one or the queue's earliest, so
+        # the batches ahead are sized by that, not by a guess at half the budget.
+        ahead_deadline = None
+        if fresh:
+            ahead_deadline = min(self._fresh_until, deadline)
+            if self._heap and self._heap[0].queued:  # (not a stale entry of earlier work)
+                ahead_deadline = min(ahead_deadline, self._heap[0].deadline)
+        finish = predicted_finish(
+            start, self._queued_items + ahead_items, items, self._pool.live,
+            first_free, self.limits, high, deadline, ahead_deadline,
+        )  # fmt: skip
+        predicted = finish
+        # What recent misses say the prediction is short by (1.0 unless overloaded),
+        # for a request that would wait in a lasting overload. One that runs at
+        # once, or that comes in a fresh spell (a burst at a rested server: the
+        # queue ahead is only what came with it, and the measured latencies are
+        # what will drain it), is admitted on the prediction alone: a server
+        # whose load fell serves what it can, and so lowers the margin, instead
+        # of refusing on an old factor.
+        if (self._free <= 0 or self._queued_items + ahead_items > 0) and not fresh:
+            finish = now + (finish - now) * self.margin.factor
+        # The loop's own lag, twice: the request waited in it before this handler ran
+        # (its client's clock was running), and its answer will wait in it again.
+        lag = self._lag.recent
+        finish += 2.0 * lag
+        if finish > deadline:
+            self._stats.rejected["deadline_unmeetable"] += 1
+            raise Unavailable(
+                f"model '{self.label}' cannot meet the request's deadline: "
+                f"{(deadline - now) * 1e3:.1f} ms left, but {queued} request(s) "
+                f"ahead and the measured latencies predict {(finish - now) * 1e3:.1f} ms"
+                + (
+                    f" (with twice the event loop's lag of {lag * 1e3:.1f} ms)"
+                    if lag > 1e-3
+                    else ""
                 )
+            )
+        return predicted
 
     def forget(self, req: InferenceRequest) -> None:
         """The client went away: take ``req`` out of the queue (its future is already done)."""
@@ -212,7 +260,7 @@ class Batcher:
 
     def _pump(self) -> None:
         self._pump_soon = False
-        now = monotonic()
+        now = self._clock()
         self._expire_queued(now)
         wake_at: float | None = None
         while self._queued_requests and self._free > 0:
@@ -229,6 +277,8 @@ class Batcher:
                 break
             self._dispatch(self._form(decision.take, now), now)
         self._compact()
+        if not self._running and not self._queued_requests:
+            self._quiet_since = now
         self._arm_timer(wake_at)
 
     def _shed_hopeless(self, now: float) -> bool:
@@ -262,7 +312,7 @@ class Batcher:
         heapq.heappop(heap)
         self._unqueue(head)
         self._stats.timed_out += 1
-        self.margin.missed(now, head.deadline - head.arrival)
+        self.margin.missed(now, head.deadline - head.arrival, _overrun(head, head.deadline))
         _fail(head, DeadlineExceeded(
             f"request given up after {(now - head.arrival) * 1e3:.1f} ms in the queue of "
             f"'{self.label}': {(head.deadline - now) * 1e3:.1f} ms left, enough only for a batch "
@@ -277,7 +327,7 @@ class Batcher:
             if req.queued:
                 self._unqueue(req)
                 self._stats.timed_out += 1
-                self.margin.missed(now, req.deadline - req.arrival)
+                self.margin.missed(now, req.deadline - req.arrival, _overrun(req, now))
                 _fail(req, DeadlineExceeded(
                     f"request timed out after {(now - req.arrival) * 1e3:.1f} ms waiting in the "
                     f"queue of '{self.label}'"
@@ -327,7 +377,7 @@ class Batcher:
     def _on_done(self, job: BatchJob) -> None:
         """A batch came back from its executor thread (called on the loop)."""
         running: _Running = job.tag
-        now = monotonic()
+        now = self._clock()
         self._running.discard(running)
         if running.timer is not None:
             running.timer.cancel()
@@ -342,8 +392,8 @@ class Batcher:
                 if _fail(req, error):
                     stats.fail.add(int((now - req.arrival) * 1e9))
         else:
-            offset = 0
-            margin = self.margin
+            offset = served = 0
+            worst = 0.0  # the largest time / predicted time among the served
             for req in requests:
                 n = req.batch_size
                 fut = req.future
@@ -352,22 +402,26 @@ class Batcher:
                     # Views, not copies: each request gets its rows of the batch.
                     fut.set_result({k: v[offset : offset + n] for k, v in outputs.items()})
                     stats.success.add(int((now - req.arrival) * 1e9))
-                    margin.served()
+                    served += 1
+                    if req.predicted > req.arrival:
+                        worst = max(worst, (now - req.arrival) / (req.predicted - req.arrival))
                 offset += n
+            if served:
+                self.margin.served(now, served, worst or None)
         stats.record_batch(running.size, len(requests), job.input_ns, job.infer_ns,
                            time.perf_counter_ns() - t0)  # fmt: skip
         self._pump()
 
     def _expire_running(self, running: _Running) -> None:
         """Deadline guard for a batch still in its executor: answer the expired now."""
-        now = monotonic()
+        now = self._clock()
         later = None
         for req in running.requests:
             if req.future.done():
                 continue
             if req.deadline <= now:
                 self._stats.timed_out += 1
-                self.margin.missed(now, req.deadline - req.arrival)
+                self.margin.missed(now, req.deadline - req.arrival, _overrun(req, now))
                 _fail(req, DeadlineExceeded(
                     f"request timed out after {(now - req.arrival) * 1e3:.1f} ms; the model "
                     f"'{self.label}' was still running its batch"
@@ -395,7 +449,7 @@ class Batcher:
                 return
             self._timer.cancel()
         self._timer_at = at
-        self._timer = self._loop.call_later(max(0.0, at - monotonic()), self._on_timer)
+        self._timer = self._loop.call_later(max(0.0, at - self._clock()), self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -435,6 +489,13 @@ class Batcher:
                 _fail(req, error)
         self._heap.clear()
         self._fifo.clear()
+
+
+def _overrun(req: InferenceRequest, until: float) -> float | None:
+    """How many times its predicted time ``req`` has taken by ``until`` (None: no prediction)."""
+    if req.predicted <= req.arrival:
+        return None
+    return (until - req.arrival) / (req.predicted - req.arrival)
 
 
 def _fail(req: InferenceRequest, error: Exception) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
+from collections.abc import Callable
 
 
 class LatencyModel:
@@ -18,13 +20,25 @@ class LatencyModel:
     extrapolated (an upper bound for the usual affine cost curve), below the
     smallest the smallest's time is used. With nothing measured every size
     estimates 0.0 and callers treat the model as "unknown".
+
+    What load teaches fades while the model is idle (:meth:`relax`): batches
+    that ran slow because the machine was busy (a storm's refusals, other
+    tenants) leave estimates and jitter that nothing corrects once the
+    server, believing them, refuses everything and so runs no batch. So over
+    idle time each estimate's excess over the lowest it (or any larger size)
+    has been, and the spread, halve every ``idle_half_life`` seconds; the
+    next batches measure what is true now.
     """
 
-    __slots__ = ("_alpha", "_max", "_measured", "_sizes", "spread")
+    __slots__ = ("_alpha", "_floor", "_half_life", "_max", "_measured", "_sizes", "spread")
 
-    def __init__(self, max_batch_size: int, alpha: float = 0.2) -> None:
+    def __init__(
+        self, max_batch_size: int, alpha: float = 0.2, idle_half_life: float = 1.0
+    ) -> None:
         self._max = max_batch_size
         self._alpha = alpha
+        self._half_life = idle_half_life
+        self._floor: dict[int, float] = {}  # the lowest estimate each size has had
         self._measured: dict[int, float] = {}
         self._sizes: list[int] = []  # measured sizes, ascending
         # How far a batch's time strays from its estimate, relative, on average
@@ -44,14 +58,32 @@ class LatencyModel:
             off = min(abs(seconds / old - 1.0), 1.0)  # one stall counts as 100%, no more
             self.spread += 0.1 * (off - self.spread)
         if old is None:
-            self._measured[size] = seconds
+            self._measured[size] = self._floor[size] = seconds
             bisect.insort(self._sizes, size)
         else:
             # One outlier (a huge input on a variable-shape model, a stall) may
             # at most double or halve an estimate; a lasting change still wins
             # within a few batches.
             new = old + self._alpha * (seconds - old)
-            self._measured[size] = min(max(new, old / 2), old * 2)
+            new = self._measured[size] = min(max(new, old / 2), old * 2)
+            if new < self._floor[size]:
+                self._floor[size] = new
+
+    def relax(self, idle_seconds: float) -> None:
+        """The model was idle for ``idle_seconds``: let what load taught fade by as much."""
+        if idle_seconds <= 0.0 or not self._measured:
+            return
+        keep = 0.5 ** (idle_seconds / self._half_life)
+        # Toward the lowest each size has been, or that any larger size has been: a
+        # size first measured in a storm has only slow times of its own, but a batch
+        # takes no longer than a larger one did at its best.
+        low = math.inf
+        for size in reversed(self._sizes):
+            low = min(low, self._floor[size])
+            value = self._measured[size]
+            if value > low:
+                self._measured[size] = low + (value - low) * keep
+        self.spread *= keep
 
     def estimate(self, size: int) -> float:
         # Called on every admission and every batching decision: a dict hit,
@@ -124,33 +156,109 @@ class AdmissionMargin:
     short misses its deadline. So admission multiplies each prediction by
     ``factor``, steered by what happens to the admitted: a miss raises it by
     ``raise_by``, every request served in time lowers it by ``lower_by``,
-    never below 1. An idle or lightly loaded server, which misses nothing,
-    stays at 1 and admits exactly on the prediction.
+    never below 1.
 
     Misses come in bursts (one slow batch fails all of its requests, and
     every request admitted before the raise was admitted on the old factor),
     so after a raise the next one waits ``hold`` seconds: the missed
     request's own time budget, within which those admitted before it are
     answered (as TCP cuts its window at most once per round trip).
+
+    What was learnt is forgotten with time too, not only with successes: the
+    excess over 1 halves every ``min_half_life`` seconds (or four of the last
+    miss's budgets, if longer, so that a model with long deadlines keeps it
+    between the misses that steer it). A server that refuses most of what
+    comes serves few and would otherwise keep an overload's margin for
+    minutes after it ended. Not faster: under a lasting overload each raise
+    costs a few misses, and a margin that fades within seconds must be
+    raised, so missed, that much more often. And the margin never exceeds
+    the evidence: ``observe`` is told, for each answered or missed request,
+    how its real time compared with its prediction, and the factor stays at
+    or under the largest such ratio seen lately (forgotten at the same pace,
+    capped at ``ceiling``; a miss, whose real time is only known to exceed
+    its budget, counts one raise above its ratio), so a burst of misses
+    cannot stretch predictions much further than any request has actually
+    overrun them.
+
+    Times are the caller's clock (``clock``, the batcher's).
     """
 
-    __slots__ = ("_ceiling", "_down", "_hold_until", "_up", "factor")
+    __slots__ = ("_at", "_ceiling", "_clock", "_down", "_evidence", "_excess", "_half_life",
+                 "_hold_until", "_min_half_life", "_up")  # fmt: skip
 
     def __init__(
-        self, raise_by: float = 0.25, lower_by: float = 0.0002, ceiling: float = 4.0
+        self,
+        raise_by: float = 0.25,
+        lower_by: float = 0.0002,
+        ceiling: float = 4.0,
+        min_half_life: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._up = 1.0 + raise_by
         self._down = 1.0 - lower_by
         self._ceiling = ceiling
-        self._hold_until = 0.0
-        self.factor = 1.0
+        self._min_half_life = min_half_life
+        self._half_life = min_half_life
+        self._clock = clock
+        self._hold_until = -math.inf
+        self._excess = 0.0  # factor - 1, as of ``_at``
+        self._evidence = 0.0  # the largest overrun ratio seen lately, less 1, as of ``_at``
+        self._at = clock()
 
-    def missed(self, now: float, hold: float) -> None:
+    def _decay(self, now: float) -> None:
+        dt = now - self._at
+        if dt > 0:
+            if self._excess > 0.0 or self._evidence > 0.0:
+                keep = 0.5 ** (dt / self._half_life)
+                self._excess *= keep
+                self._evidence *= keep
+            self._at = now
+
+    @property
+    def factor(self) -> float:
+        if self._excess == 0.0:
+            return 1.0  # the common case: nothing learnt, no clock read
+        self._decay(self._clock())
+        return 1.0 + self._excess
+
+    @factor.setter
+    def factor(self, value: float) -> None:
+        """Set the factor now (tests, and an operator's reset), as if evidence showed it."""
+        now = self._clock()
+        self._decay(now)
+        self._excess = max(min(value, self._ceiling) - 1.0, 0.0)
+        self._evidence = max(self._evidence, self._excess)
+
+    def observe(self, now: float, ratio: float) -> None:
+        """A request took ``ratio`` times its predicted time (a miss: at least)."""
+        over = min(ratio, self._ceiling) - 1.0
+        if over > self._evidence:
+            self._decay(now)
+            self._evidence = max(self._evidence, over)
+
+    def missed(self, now: float, hold: float, ratio: float | None = None) -> None:
+        """An admitted request missed its deadline; ``ratio`` as for :meth:`observe`.
+
+        A miss's ratio is only a lower bound (its time is cut at its deadline, or
+        taken when the answer was already too late), so it justifies one raise
+        beyond it.
+        """
+        if ratio is not None:
+            self.observe(now, ratio * self._up)
         if now < self._hold_until:
             return
-        self.factor = min(self.factor * self._up, self._ceiling)
+        self._decay(now)
+        self._half_life = max(self._min_half_life, 4.0 * hold)
+        raised = (1.0 + self._excess) * self._up - 1.0
+        self._excess = min(raised, self._evidence)
         self._hold_until = now + hold
 
-    def served(self) -> None:
-        if self.factor > 1.0:
-            self.factor = max(self.factor * self._down, 1.0)
+    def served(self, now: float, count: int = 1, ratio: float | None = None) -> None:
+        """``count`` requests were served in time, the slowest ``ratio`` of its prediction."""
+        if ratio is not None:
+            self.observe(now, ratio)
+        if self._excess > 0.0:
+            self._decay(now)
+            self._excess = (1.0 + self._excess) * self._down**count - 1.0
+            if self._excess < 0.0:
+                self._excess = 0.0

@@ -9,7 +9,9 @@ Not collected by pytest; tests copy it beside the config that names it.
   ``BATCH`` (INT64 ``[1]``): how many items ``infer`` ran together
   (``parameters.delay_s`` makes ``infer`` slower, so that requests pile up).
 - A text starting with ``!pre`` fails in preprocess, ``!post`` in
-  postprocess, and one of only ``#`` fails ``infer`` for its whole batch.
+  postprocess, and one of only ``#`` fails ``infer`` for its whole batch;
+  one starting with ``!slow`` takes ``parameters.slow_post_s`` (0.5 s) in
+  postprocess.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class ByteTokenizer:
     def load(self, context):
         self.scale = float(context.parameters.get("scale", 1.0))
         self.delay_s = float(context.parameters.get("delay_s", 0.0))
+        self.slow_post_s = float(context.parameters.get("slow_post_s", 0.5))
 
     def warmup_request(self):
         return {"TEXT": np.array([[b"warm up"]], dtype=object)}
@@ -56,6 +59,8 @@ class ByteTokenizer:
         texts = request.state["texts"]
         if any(t.startswith(b"!post") for t in texts):
             raise KeyError("postprocess cannot answer this one")
+        if any(t.startswith(b"!slow") for t in texts):
+            time.sleep(self.slow_post_s)
         return {
             "IDS": outputs["ids"],
             "LENGTH": [[len(t)] for t in texts],
