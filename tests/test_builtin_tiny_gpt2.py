@@ -13,6 +13,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import re
 import threading
 import urllib.request
 from pathlib import Path
@@ -28,6 +29,7 @@ from aserve._proto import aserve_pb2 as apb
 from aserve._proto import aserve_pb2_grpc as apb_grpc
 from aserve.config import ConfigError, GenerationConfig, check_model_files, parse_config
 
+ROOT = Path(__file__).resolve().parent.parent
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
 PROMPT = "The quick brown fox"
 BUILDERS = 4
@@ -234,3 +236,43 @@ def test_a_builtin_served_by_the_wrong_engine_is_refused(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match=r"models\[0\].engine: 'builtin:tiny-gpt2' is served "
                        r"by the decoder engine \(got 'torch'\)"):  # fmt: skip
         check_model_files(config, tmp_path)
+
+
+def _readme_chat_curl() -> tuple[str, str, bytes]:
+    """The quick start's serve command, curl URL and body, as the README writes them."""
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"(scripts/serve --config \S+)\ncurl -N (\S+) -d \\\n\s*'([^']+)'", readme)
+    assert m, "the README's streaming chat step is gone"
+    return m.group(1), m.group(2), m.group(3).encode()
+
+
+def test_the_quick_start_chat_step_works_as_written(tmp_path: Path) -> None:
+    serve, url, body = _readme_chat_curl()
+    config_path = ROOT / serve.split("--config ")[1]
+    config = json.loads(config_path.read_text())
+    assert config["models"][0]["path"] == "builtin:tiny-gpt2"
+    assert config["http"]["port"] == 8000 and url.startswith("localhost:8000/")
+    assert "grpc" in config
+    config["grpc"]["port"] = 0  # the test's server runs beside others: its own ports
+    srv = start_server(
+        write_config(tmp_path, config), extra_env={"ASERVE_CACHE_DIR": str(tmp_path / "cache")}
+    )
+    try:
+        # What curl -d sends: a form content type, which the route does not insist on.
+        req = urllib.request.Request(
+            srv.base + url.removeprefix("localhost:8000"),
+            data=body,
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            events = [
+                line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")
+            ]
+    finally:
+        srv.stop()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["model"] == "tiny-gpt2" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks).strip()
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
