@@ -468,10 +468,16 @@ def check_model_files(config: ServerConfig, base_dir: Path) -> None:
             pass
         elif m.path.startswith(builtin_models.PREFIX):
             name = m.path[len(builtin_models.PREFIX) :]
-            if name not in builtin_models.BUILDERS:
+            builtin = builtin_models.BUILDERS.get(name)
+            if builtin is None:
                 known = ", ".join(sorted(builtin_models.BUILDERS))
                 problems.append(
                     f"models[{i}].path: unknown builtin model '{name}' (known: {known})"
+                )
+            elif builtin.engine != m.engine:
+                problems.append(
+                    f"models[{i}].engine: '{m.path}' is served by the {builtin.engine} engine "
+                    f"(got '{m.engine}')"
                 )
         elif m.engine == "decoder":
             if not (base_dir / m.path / "config.json").is_file():

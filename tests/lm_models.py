@@ -1,7 +1,9 @@
 """Tiny seeded causal LMs and tokenizers, built on the fly in the Hugging Face layout.
 
 Weights use ``initializer_range`` 0.5 so that greedy decoding wanders instead
-of repeating one token; tokenizers are BPEs trained on a short ASCII text.
+of repeating one token; tokenizers are BPEs trained on a short ASCII text
+(the package's, :mod:`aserve.engines.decoder.tiny`, which builds
+``builtin:tiny-gpt2`` with the same tokenizer and no transformers).
 
 - GPT-2: byte-level BPE (every byte has a token, so multi-byte characters
   split across tokens), ``<|endoftext|>`` as BOS/EOS, no chat template.
@@ -21,16 +23,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-TEXT = """\
-The quick brown fox jumps over the lazy dog. A server streams tokens to many clients,
-one step at a time, and every client reads its own words as they arrive. When a client
-goes away, its sequence leaves the batch and the cache slot is free again. Small models
-say strange things, but they say them quickly: seven silver spoons, eleven green lamps,
-a river of numbers 0 1 2 3 4 5 6 7 8 9 and the letters of the alphabet from A to Z.
-Hello world! Does it stop? Yes, it stops when it sees the end, or when it runs out of room.
-"""
+from aserve.engines.decoder.tiny import byte_level_tokenizer, train_bpe
 
 LLAMA_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
@@ -38,29 +33,15 @@ LLAMA_CHAT_TEMPLATE = (
 )
 
 
-def _train(tok: Tokenizer, vocab_size: int, special: list[str], alphabet: list[str]) -> None:
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special,
-        initial_alphabet=alphabet,
-        show_progress=False,
-    )
-    tok.train_from_iterator([TEXT] * 4, trainer=trainer)
-
-
 def gpt2_tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    _train(tok, 400, ["<|endoftext|>"], pre_tokenizers.ByteLevel.alphabet())
-    return tok
+    return byte_level_tokenizer(400)
 
 
 def llama_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    _train(tok, 300, ["<unk>", "<s>", "</s>"], [])
+    train_bpe(tok, 300, ["<unk>", "<s>", "</s>"], [])
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]

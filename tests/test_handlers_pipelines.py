@@ -386,11 +386,11 @@ def test_example_configs_serve(tmp_path):
             direct = client.infer("text_features", [_text_input(texts)])
         finally:
             client.close()
-        from aserve.builtin_models import BUILDERS
+        from aserve.builtin_models import affine
 
         features = np.stack([example.features(t) for t in texts])
         np.testing.assert_allclose(direct.as_numpy("FEATURES"), features, rtol=1e-6)
-        want = BUILDERS["affine"]()(torch.from_numpy(features)).detach().numpy()
+        want = affine()(torch.from_numpy(features)).detach().numpy()
         np.testing.assert_allclose(result.as_numpy("SCORES"), want, rtol=1e-5, atol=1e-5)
         assert [w[0] for w in result.as_numpy("TOP_WORD")] == [b"the", b"hello"]
     finally:

@@ -103,9 +103,7 @@ class ModelRuntime:
         path = self.config.path
         if path is None:
             return None
-        if path.startswith(builtin_models.PREFIX):
-            return builtin_models.resolve(path[len(builtin_models.PREFIX) :])
-        return (self._base_dir / path).resolve()
+        return builtin_models.locate(path, self._base_dir)
 
     async def load(self) -> None:
         """Load, start the instances and warm up; the model is READY afterwards."""
