@@ -472,8 +472,19 @@ def check_model_files(config: ServerConfig, base_dir: Path) -> None:
     from aserve.engines.requirements import engine_problem
 
     problems = []
+    handler_folders: dict[str, tuple[int, Path]] = {}  # top-level module -> first model, folder
     for i, m in enumerate(config.models):
         folder = m.folder(base_dir)
+        module = (m.handler or "").partition(":")[0].partition(".")[0]
+        local = module and ((folder / f"{module}.py").is_file() or (folder / module).is_dir())
+        first = handler_folders.setdefault(module, (i, folder)) if local else (i, folder)
+        if first[1] != folder:
+            # A process imports a module name once: the second folder's would never load.
+            problems.append(
+                f"models[{i}].handler: module '{module}' is models[{first[0]}]'s too, from "
+                f"another folder ({first[1]}); one server imports a module name once: rename one"
+            )
+            continue
         if m.path is None:
             pass
         elif m.path.startswith(builtin_models.PREFIX):

@@ -373,3 +373,60 @@ async def test_a_reload_to_a_bomb_archive_is_rejected_without_stalling(
                 assert r.status == 200
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_two_archives_whose_handler_modules_share_a_name_are_refused(
+    packed: Path, project: Path, tmp_path: Path
+) -> None:
+    # A second project whose handler.py differs: one process imports 'handler' once,
+    # so the second model would silently run the first one's class.
+    other = tmp_path / "other"
+    shutil.copytree(project, other, ignore=shutil.ignore_patterns("__pycache__"))
+    handler = other / "handler.py"
+    handler.write_text(
+        handler.read_text().replace('"setosa", "versicolor"', '"versicolor", "setosa"')
+    )
+    done = aserve(
+        "archive", str(other), "-o", str(tmp_path / "other.aserve"), "--skip-tests", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    shutil.copy(packed, tmp_path / "iris.aserve")
+    config = write_config(tmp_path, {"models": [
+        {"name": "iris", "path": "iris.aserve"}, {"name": "other", "path": "other.aserve"},
+    ]})  # fmt: skip
+    run = aserve(
+        "--config", str(config), cwd=tmp_path, timeout=100, ASERVE_CACHE_DIR=str(tmp_path / "c")
+    )
+    assert run.returncode == 2, run.stderr
+    assert "models[1].handler: module 'handler' is models[0]'s too" in run.stderr
+
+
+def _shrink_declared_size(path: Path, name: str, size: int) -> None:
+    """Make the zip's headers claim ``size`` bytes for member ``name`` (a bomb that lies)."""
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        local = zf.getinfo(name).header_offset
+    raw[local + 22 : local + 26] = size.to_bytes(4, "little")
+    at = raw.find(b"PK\x01\x02")
+    while at != -1:
+        length = int.from_bytes(raw[at + 28 : at + 30], "little")
+        if raw[at + 46 : at + 46 + length] == name.encode():
+            raw[at + 24 : at + 28] = size.to_bytes(4, "little")
+        at = raw.find(b"PK\x01\x02", at + 4)
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.timeout(120)
+def test_a_bomb_whose_headers_lie_is_cut_at_its_declared_size(
+    packed: Path, tmp_path: Path, cache: Path
+) -> None:
+    def lying(members: dict[str, bytes], manifest: dict) -> None:
+        members["zeros.bin"] = bytes(64 << 20)
+        _listed(manifest, "zeros.bin", bytes(10))  # the manifest agrees with the lying headers
+
+    bad = rebuild(packed, tmp_path / "bad.aserve", lying)
+    _shrink_declared_size(bad, "zeros.bin", 10)
+    with pytest.raises(ArchiveError, match=r"member 'zeros\.bin' (is corrupt|does not match)"):
+        serve_config(bad)
+    assert not (cache / "archives").exists() or not any((cache / "archives").iterdir())
