@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from aserve import __version__
+from aserve import __version__, archive_pack, scaffold
 
 # Package data, so that an installed wheel has it (configs/default.json links to it).
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "default_config.json"
@@ -43,11 +43,31 @@ def _parser() -> argparse.ArgumentParser:
         help="text or JSON lines (default: the config's logging.format, else text)",
     )
     p.add_argument("--version", action="version", version=f"aserve {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    new = sub.add_parser("new", help="scaffold a handler project in ./NAME")
+    new.add_argument("name", metavar="NAME", help="the project's folder and its model's name")
+    pack = sub.add_parser("archive", help="test a project with pytest, then pack it (.aserve)")
+    pack.add_argument("project", type=Path, metavar="DIR", help="the project's folder")
+    pack.add_argument("-o", "--output", type=Path, default=None, help="default: ./DIR.aserve")
+    pack.add_argument(
+        "--config",
+        dest="project_config",
+        metavar="FILE",
+        default="config.json",
+        help="the project's config (default: config.json)",
+    )
+    pack.add_argument("--skip-tests", action="store_true", help="pack without running pytest")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "new":
+        return scaffold.run_new(args.name)
+    if args.command == "archive":
+        return archive_pack.run_archive(
+            args.project, args.output, args.project_config, args.skip_tests
+        )
     from aserve import logs
 
     logs.configure(args.log_level, args.log_format or "text")

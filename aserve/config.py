@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from aserve import archive
 from aserve.codecs.datatypes import DATATYPES
 
 Datatype = Literal[
@@ -221,6 +222,9 @@ class ModelConfig(_Frozen):
     version: Annotated[str, Field(pattern=r"^[0-9]+$")] = "1"
     engine: Literal["torch", "python", "pipeline", "decoder", "onnx", "tensorrt"]
     path: Annotated[str | None, Field(min_length=1)] = None
+    # The folder ``path`` and ``handler`` resolve against (default: the config's
+    # folder); an ``.aserve`` entry sets it to the extracted archive.
+    root: Annotated[str | None, Field(min_length=1)] = None
     handler: Annotated[str | None, Field(pattern=_HANDLER)] = None  # "package.module:Class"
     parameters: dict[str, Any] = {}  # python handlers only: given to load(context)
     steps: list[PipelineStep] = []  # pipelines only
@@ -315,6 +319,10 @@ class ModelConfig(_Frozen):
     @property
     def key(self) -> tuple[str, str]:
         return (self.name, self.version)
+
+    def folder(self, base_dir: Path) -> Path:
+        """Where this model's ``path`` and ``handler`` resolve: ``root``, else ``base_dir``."""
+        return base_dir / self.root if self.root else base_dir
 
 
 def _check_accelerator_fields(m: ModelConfig) -> None:
@@ -453,7 +461,8 @@ def read_config(path: str | Path) -> tuple[ServerConfig, Path, bytes]:
         raise ConfigError(f"{path}: invalid JSON: {exc}") from None
     # The folder of the path as given, symlinks kept: a Kubernetes ConfigMap's file is a
     # symlink into a timestamped folder that the next update deletes.
-    return parse_config(data, source=str(path)), path.absolute().parent, raw
+    base_dir = path.absolute().parent
+    return parse_config(data, source=str(path), base_dir=base_dir), base_dir, raw
 
 
 def check_model_files(config: ServerConfig, base_dir: Path) -> None:
@@ -463,7 +472,19 @@ def check_model_files(config: ServerConfig, base_dir: Path) -> None:
     from aserve.engines.requirements import engine_problem
 
     problems = []
+    handler_folders: dict[str, tuple[int, Path]] = {}  # top-level module -> first model, folder
     for i, m in enumerate(config.models):
+        folder = m.folder(base_dir)
+        module = (m.handler or "").partition(":")[0].partition(".")[0]
+        local = module and ((folder / f"{module}.py").is_file() or (folder / module).is_dir())
+        first = handler_folders.setdefault(module, (i, folder)) if local else (i, folder)
+        if first[1] != folder:
+            # A process imports a module name once: the second folder's would never load.
+            problems.append(
+                f"models[{i}].handler: module '{module}' is models[{first[0]}]'s too, from "
+                f"another folder ({first[1]}); one server imports a module name once: rename one"
+            )
+            continue
         if m.path is None:
             pass
         elif m.path.startswith(builtin_models.PREFIX):
@@ -480,12 +501,12 @@ def check_model_files(config: ServerConfig, base_dir: Path) -> None:
                     f"(got '{m.engine}')"
                 )
         elif m.engine == "decoder":
-            if not (base_dir / m.path / "config.json").is_file():
+            if not (folder / m.path / "config.json").is_file():
                 problems.append(
-                    f"models[{i}].path: not a model folder (no config.json): {base_dir / m.path}"
+                    f"models[{i}].path: not a model folder (no config.json): {folder / m.path}"
                 )
-        elif not (base_dir / m.path).is_file():
-            problems.append(f"models[{i}].path: file not found: {base_dir / m.path}")
+        elif not (folder / m.path).is_file():
+            problems.append(f"models[{i}].path: file not found: {folder / m.path}")
         problem = engine_problem(m.engine, m.device)
         if problem:
             problems.append(f"models[{i}].engine: {problem}")
@@ -493,17 +514,21 @@ def check_model_files(config: ServerConfig, base_dir: Path) -> None:
             from aserve.engines.python_handler import HandlerImportError, import_handler
 
             try:
-                import_handler(m.handler, base_dir)
+                import_handler(m.handler, folder)
             except HandlerImportError as exc:
                 problems.append(f"models[{i}].handler: {exc}")
     if problems:
         raise ConfigError("invalid config\n  " + "\n  ".join(problems))
 
 
-def parse_config(data: Any, source: str = "config") -> ServerConfig:
-    """Validate decoded JSON into a :class:`ServerConfig`."""
+def parse_config(data: Any, source: str = "config", base_dir: Path | None = None) -> ServerConfig:
+    """Validate decoded JSON into a :class:`ServerConfig`. With ``base_dir`` (the
+    config's folder), model entries whose ``path`` is an ``.aserve`` archive are
+    verified, extracted and replaced by the archive's model (blocking)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a JSON object")
+    if base_dir is not None:
+        data = _expand_archives(data, base_dir, source)
     try:
         config = ServerConfig.model_validate(data)
     except ValidationError as exc:
@@ -515,6 +540,21 @@ def parse_config(data: Any, source: str = "config") -> ServerConfig:
     if lines:
         raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines))
     return config
+
+
+def _expand_archives(data: dict[str, Any], base_dir: Path, source: str) -> dict[str, Any]:
+    models = data.get("models")
+    if not isinstance(models, list):
+        return data
+    expanded = []
+    for i, m in enumerate(models):
+        if isinstance(m, dict) and str(m.get("path", "")).endswith(archive.SUFFIX):
+            try:
+                m = archive.expand_entry(m, base_dir)
+            except archive.ArchiveError as exc:
+                raise ConfigError(f"{source}: invalid config\n  models[{i}].path: {exc}") from None
+        expanded.append(m)
+    return {**data, "models": expanded}
 
 
 def _json_path(loc: tuple[Any, ...]) -> str:

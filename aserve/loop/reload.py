@@ -265,7 +265,7 @@ class Reloader:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-        config = parse_config(data, source=str(path))
+        config = parse_config(data, source=str(path), base_dir=self._server.base_dir)
         check_model_files(config, self._server.base_dir)
         return config
 

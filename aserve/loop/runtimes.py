@@ -14,6 +14,7 @@ def create_runtime(
 ) -> ModelRuntime:
     """A runtime for ``config``, not loaded yet (cheap: loads nothing). ``gpu``
     is the server's "gpu" block, which worker and step processes apply themselves."""
+    base_dir = config.folder(base_dir)  # an archive's model resolves in its extracted folder
     if config.engine == "python":
         from aserve.loop.handler_model import HandlerRuntime
 
