@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import psutil
 import pytest
 from batched_fns import DIE
 from helpers import frozen
@@ -389,8 +390,9 @@ def spread_check(devices: list[str], workers: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(os.environ.get("CUDA_VISIBLE_DEVICES") == "", reason="no GPU visible")
 def test_workers_spread_over_cuda_devices():
+    """bench/gpu_check.sh runs this where a GPU is lent: two workers per CUDA device,
+    each loading its model on the device it was given."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip(f"needs a CUDA GPU; this torch ({torch.__version__}) sees none")
@@ -404,3 +406,44 @@ def test_import_aserve_stays_light():
                          cwd=README.parent, check=True)  # fmt: skip
     assert out.stdout.strip() == "False"
     assert aserve.Batched is Batched
+
+
+def test_a_cancelled_await_leaves_the_queue():
+    gate = Gate(lambda xs: xs)
+
+    async def main() -> None:
+        async with Batched(gate, timeout_ms=30_000) as batched:  # on this loop
+            assert await batched.acall(1) == 1
+            gate.armed = True
+            held = asyncio.ensure_future(batched.acall(2))
+            await asyncio.to_thread(gate.entered.wait, 30)
+            waiting = asyncio.ensure_future(batched.acall(3))
+            queued = lambda: batched.stats()["pending_request_count"] == 1  # noqa: E731
+            await asyncio.to_thread(wait_until, queued, "the call to queue")
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            stats = batched.stats()
+            assert stats["pending_request_count"] == 0 and stats["cancelled"] == 1
+            gate.release.set()
+            assert await held == 2
+        assert gate.sizes == [1, 1]  # the cancelled call never ran
+
+    asyncio.run(main())
+
+
+def test_an_app_that_exits_without_close_stops_its_workers(tmp_path: Path):
+    script = tmp_path / "app.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import aserve\n"
+        "batched = aserve.Batched('batched_fns:double', workers=2)\n"
+        "if __name__ == '__main__':\n"
+        "    print(batched(4), *batched.stats()['worker_pids'], flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=90, cwd=tmp_path, check=True)  # fmt: skip
+    first, *pids = out.stdout.split()
+    assert first == "8" and len(pids) == 2
+    wait_until(lambda: not any(psutil.pid_exists(int(p)) for p in pids), "the workers to exit")
