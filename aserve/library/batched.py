@@ -141,7 +141,10 @@ class Batched(Generic[In, Out]):
         """
         timeout_s = self._timeout_s(timeout_ms)
         started = self._begin(None)
-        await asyncio.wrap_future(started)
+        if started.done():
+            started.result()  # a failed load raises here
+        else:
+            await asyncio.wrap_future(started)  # the first calls wait for the load
         loop = self._loop
         assert loop is not None
         coro = self._core.infer(*self._encode(item), timeout_s)
