@@ -159,7 +159,7 @@ class Batched(Generic[In, Out]):
             if err is exc:
                 raise
             raise err from err.__cause__
-        except TimeoutError:  # wait_for's: the loop did not answer at all
+        except asyncio.TimeoutError:  # wait_for's: the loop did not answer at all
             raise Timeout(self._lost(timeout_s)) from None
         return self._decode(outputs)
 
@@ -198,9 +198,9 @@ class Batched(Generic[In, Out]):
         """The batcher's statistics: requests, batches (``batch_sizes``: size -> batches
         run), queue (``pending_request_count``), timeouts, worker pids and restarts."""
         with self._lock:
-            started, loop = self._started, self._loop
-        if started is None or loop is None or _running_loop() is loop:
-            return self._core.snapshot()
+            started, loop, closed = self._started, self._loop, self._closed
+        if started is None or loop is None or closed or _running_loop() is loop:
+            return self._core.snapshot()  # nothing runs on its loop, or this is its loop
         return asyncio.run_coroutine_threadsafe(_call(self._core.snapshot), loop).result(30)
 
     # --- lifecycle ---------------------------------------------------------------
