@@ -116,6 +116,12 @@ timeout 240 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/ 2>&1 | tee 
 TESTS_RC=${PIPESTATUS[0]}
 echo "pytest exit status: $TESTS_RC"
 
+say "aserve.Batched: worker processes spread over the CUDA devices"
+# Also among the GPU-marked tests above; run on its own so that the report says it ran.
+timeout 120 "$PY" -m pytest -q -rs -p no:cacheprovider \
+  "tests/test_batched.py::test_workers_spread_over_cuda_devices" 2>&1 | tee "$WORK/batched.log"
+echo "Batched CUDA spread: pytest exit status ${PIPESTATUS[0]}"
+
 say "throughput: the bench MLP through aserve"
 timeout 420 "$PY" -m bench.gpu_bench --out "$WORK/gpu_bench.json" \
   --duration "${DURATION:-5}" --concurrency "${CONCURRENCY:-64}" \
@@ -130,7 +136,8 @@ if [ -f "$REPORT" ]; then cat "$REPORT"; fi
 if [ "$MODE" = cpu ]; then
   say "CPU-ONLY MODE: no CUDA device was found, so these did NOT run"
   echo "- GPU tests: torch on cuda:0 with 2 instances (with and without CUDA graphs),"
-  echo "  concurrent batches on two streams, onnxruntime's CUDA provider, TensorRT build/serve/cache"
+  echo "  concurrent batches on two streams, onnxruntime's CUDA provider, TensorRT build/serve/cache,"
+  echo "  aserve.Batched workers spread over the CUDA devices"
   echo "  (each skipped above with its reason)"
   echo "- throughput rows on cuda:0: torch x1/x2/x4, CUDA graphs, onnx CUDA provider, TensorRT"
   echo "  (see 'Skipped' in the report; the CPU smoke rows only show the harness works)"

@@ -387,6 +387,7 @@ class Batcher:
         outputs, requests, stats = job.outputs, running.requests, self._stats
         if outputs is None:
             error = InternalError(f"model '{self.label}' failed: {job.error}")
+            error.__cause__ = job.error  # what the engine raised, for callers in this process
             log.warning("batch of %d on '%s' failed: %r", running.size, self.label, job.error)
             for req in requests:
                 if _fail(req, error):
