@@ -233,7 +233,9 @@ def test_a_call_past_its_timeout_raises_timeout_in_the_caller_running_or_queued(
     with Batched(gate, max_batch_size=4, timeout_ms=30_000) as batched:
         assert batched(1) == 2
         gate.armed = True
-        held = batched.submit(10, timeout_ms=100)  # its batch runs past its timeout
+        # Its batch runs past its timeout. The timeout is long enough for the batch to
+        # start on a busy machine (the gate holds it from then on), short enough to wait.
+        held = batched.submit(10, timeout_ms=2000)
         assert gate.entered.wait(30)
         queued = batched.submit(20, timeout_ms=100)  # waits behind the held batch
         with pytest.raises(Timeout, match="still running its batch") as running:
