@@ -52,6 +52,7 @@ FLAGS: dict[tuple[Any, ...], str] = {
     ("models", 0, "generation", "max_num_seqs"): "--max-batch-size",
     ("models", 0, "generation", "max_queue_size"): "--max-queue-size",
     ("models", 0, "generation", "timeout_ms"): "--timeout-ms",
+    ("models", 0, "generation", "max_model_len"): "--max-model-len",
 }
 
 
@@ -103,6 +104,7 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--preferred-batch-sizes", metavar="N,N,...", help="e.g. 8,16")
     b.add_argument("--max-queue-size", type=int, help="requests waiting, past it refused")
     b.add_argument("--timeout-ms", type=float, help="default request deadline")
+    b.add_argument("--max-model-len", type=int, help="decoder: longest sequence, in tokens")
     b.add_argument("--max-connections", type=int, help="HTTP connections / gRPC calls at once")
     b.add_argument("--max-concurrency", type=int, help="inference requests served at once")
     g = p.add_argument_group("GPU memory and auth")
@@ -168,6 +170,8 @@ def build(args: argparse.Namespace) -> Plan:
         _merge(model, _model_keys(args, engine))
         if model["engine"] == "tensorrt":
             model.setdefault("device", "cuda")
+        if engine == "decoder":
+            _fit_context(model, args.max_model_len)
         if engine in SELF_DESCRIBING and not (args.input and args.output):
             _read_tensors(model, engine, target)
         data = {"models": [model]}
@@ -188,7 +192,7 @@ def validate(plan: Plan) -> Any:
     try:
         config = ServerConfig.model_validate(plan.data)
     except ValidationError as exc:
-        lines = [f"{_where(e['loc'], _message(e), plan)}: {_message(e)}" for e in exc.errors()]
+        lines = [": ".join(_where(e["loc"], _message(e), plan)) for e in exc.errors()]
         raise UsageError("\n  ".join(lines)) from None
     problems = check_pipelines(config)
     if problems:
@@ -203,15 +207,16 @@ def validate(plan: Plan) -> Any:
     return config
 
 
-def _where(loc: tuple[Any, ...], message: str, plan: Plan) -> str:
-    """The flag behind the error at ``loc`` (with the value given), else its JSON path."""
+def _where(loc: tuple[Any, ...], message: str, plan: Plan) -> tuple[str, str]:
+    """``(where, message)``: the flag behind the error at ``loc`` (with the value given),
+    else its JSON path."""
     from aserve.config import _json_path
 
     key = tuple(0 if i == 1 and loc and loc[0] == "models" else p for i, p in enumerate(loc))
     # A check across keys (of a model, of its batching) starts its message with the key.
-    word = message.split(":", 1)[0]
-    if (*key, word) in FLAGS:
-        key = (*key, word)
+    word, _, rest = message.partition(": ")
+    if rest and (*key, word) in FLAGS:
+        key, message = (*key, word), rest
     best = max((k for k in FLAGS if key[: len(k)] == k), key=len, default=None)
     if best is not None:
         flag = FLAGS[best]
@@ -220,14 +225,14 @@ def _where(loc: tuple[Any, ...], message: str, plan: Plan) -> str:
             given = plan.specs.get(kind, [])
             index = key[len(best)]
             if index < len(given):
-                return f"{flag} {given[index]}"
-        return flag
+                return f"{flag} {given[index]}", message
+        return flag, message
     under = sorted(
         {f for k, f in FLAGS.items() if len(key) > 2 and k[: len(key)] == key and _given(plan, k)}
     )
     if under:
-        return "/".join(under)
-    return _json_path(loc)
+        return "/".join(under), message
+    return _json_path(loc), message
 
 
 def _given(plan: Plan, key: tuple[Any, ...]) -> bool:
@@ -313,6 +318,8 @@ def _model_keys(args: argparse.Namespace, engine: str) -> dict[str, Any]:
         batching["preferred_batch_sizes"] = _sizes(args.preferred_batch_sizes)
     if batching:
         out["batching"] = batching
+    if args.max_model_len is not None and not decoder:
+        generation["max_model_len"] = args.max_model_len  # refused below, naming the flag
     if generation:
         out["generation"] = generation
     return out
@@ -410,6 +417,31 @@ def _read_tensors(model: dict[str, Any], fmt: str, target: str) -> None:
         raise UsageError(f"{target}: {exc}") from None
     model.setdefault("inputs", [s.model_dump() for s in inputs])
     model.setdefault("outputs", [s.model_dump() for s in outputs])
+
+
+def _fit_context(model: dict[str, Any], max_model_len: int | None) -> None:
+    """A decoder's ``max_model_len``: the flag, else the default capped at the model's
+    context length (a small model would refuse the default of 2048)."""
+    from aserve.config import GenerationConfig
+    from aserve.engines.decoder.checkpoint import read_spec
+    from aserve.engines.decoder.spec import CheckpointError
+
+    generation = model.setdefault("generation", {})
+    try:
+        positions = read_spec(Path(model["path"])).max_positions
+    except CheckpointError as exc:
+        raise UsageError(f"{model['path']}: {exc}") from None
+    if max_model_len is not None:
+        if max_model_len > positions:
+            raise UsageError(
+                f"--max-model-len {max_model_len}: exceeds the model's context length "
+                f"({positions} positions)"
+            )
+        generation["max_model_len"] = max_model_len
+    elif positions < GenerationConfig().max_model_len:
+        generation["max_model_len"] = positions
+    if not generation:
+        del model["generation"]
 
 
 def _archive(path: Path) -> tuple[dict[str, Any], Path]:
