@@ -257,6 +257,7 @@ BAD = [
     (["nosuchmodule:Handler", "--input", "X:FP32:1", "--output", "Y:FP32:1"],
      "nosuchmodule:Handler: cannot import module 'nosuchmodule'"),
     (["{dir}/model.aserve"], "aserve archives are not supported by this build"),
+    (["{dir}/model.plan"], "the tensorrt engine needs"),  # a GPU and TensorRT (gpu_check.sh)
 ]  # fmt: skip
 
 
@@ -269,7 +270,8 @@ def test_bad_command_lines_exit_2_naming_the_flag(
 
     # In this process (the command line is all that differs): a torch import each is slow.
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "model.bin").write_bytes(b"x")
+    for name in ("model.bin", "model.plan"):
+        (tmp_path / name).write_bytes(b"x")
     where = {"pt": model_dir / "affine.pt", "pt2": model_dir / "pair.pt2", "lm": tiny_gpt2,
              "dir": tmp_path}  # fmt: skip
     argv = ["serve", *(a.format(**where) for a in args), "--print-config"]
