@@ -24,6 +24,7 @@ import logging
 import os
 import shlex
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,11 @@ class Registration:
         self._last: dict[str, Any] | None = None
         self._task: asyncio.Task[None] | None = None
         self._written = False
+        # A write still running on its thread when close() removes the entry must not
+        # bring it back: both take the lock, and nothing is written once closed.
+        self._file_lock = threading.Lock()
+        self._closed = False
+        self._published = False
 
     def snapshot(self) -> dict[str, Any]:
         """What the entry says now (on the loop: reads the registry)."""
@@ -76,8 +82,9 @@ class Registration:
 
     async def publish(self) -> None:
         """Write the entry (the listeners are bound) and keep it current until :meth:`close`."""
-        await self._write_if_changed()
+        self._published = True
         atexit.register(self._remove)
+        await self._write_if_changed()
         self._task = asyncio.create_task(self._refresh(), name="aserve-registration")
 
     async def _refresh(self) -> None:
@@ -91,7 +98,7 @@ class Registration:
             return
         self._last = snap
         try:
-            await asyncio.to_thread(runtime_dir.write_entry, self._folder, self._pid, snap)
+            await asyncio.to_thread(self._write_threadsafe, snap)
             self._written = True
         except OSError as exc:  # ps will not list this server; serving goes on
             if not self._written:
@@ -99,17 +106,26 @@ class Registration:
 
     async def close(self) -> None:
         """Stop refreshing and remove the entry."""
+        if not self._published:
+            return  # the listeners did not bind
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task])  # its cancellation, not ours
             self._task = None
-        if self._written:
-            await asyncio.to_thread(self._remove)
+        # Also when no write has finished yet: one may be running on its thread.
+        await asyncio.to_thread(self._remove)
         atexit.unregister(self._remove)
 
+    def _write_threadsafe(self, snap: dict[str, Any]) -> None:
+        with self._file_lock:
+            if not self._closed:
+                runtime_dir.write_entry(self._folder, self._pid, snap)
+
     def _remove(self) -> None:
-        with contextlib.suppress(OSError):
-            runtime_dir.remove_entry(self._folder, self._pid)
+        with self._file_lock:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                runtime_dir.remove_entry(self._folder, self._pid)
 
 
 def _host(host: str) -> str:
