@@ -293,3 +293,38 @@ def test_the_config_flag_and_no_arguments_still_work(model_dir: Path) -> None:
     assert "--config" in done.stdout and "serve" in done.stdout and "ps" in done.stdout
     done = aserve("--config", str(model_dir / "missing.json"))
     assert done.returncode == 2 and "cannot read config" in done.stderr
+
+
+def test_an_archive_is_served_from_the_config_its_module_gives(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    import types
+
+    from aserve.cli import main
+
+    asked: list[Path] = []
+
+    def serve_config(path: Path) -> dict[str, Any]:
+        asked.append(path)
+        return {"models": [{"name": "pair", "engine": "torch", "path": str(model_dir / "pair.pt2"),
+                            "inputs": [{"name": "a", "datatype": "FP32", "shape": [8]},
+                                       {"name": "b", "datatype": "FP32", "shape": [8]}],
+                            "outputs": [{"name": "SUM", "datatype": "FP32", "shape": [8]},
+                                        {"name": "DOT", "datatype": "FP32", "shape": [1]}]}]}  # fmt: skip
+
+    # What the archive module provides (aserve/archive.py: serve_config(path) -> a config dict).
+    monkeypatch.setitem(
+        sys.modules, "aserve.archive", types.SimpleNamespace(serve_config=serve_config)
+    )
+    archive = tmp_path / "pair.aserve"
+    archive.write_bytes(b"")
+    rc = main(["serve", str(archive), "--port", "9000", "--no-grpc", "--device", "cpu",
+               "--max-batch-size", "4", "--print-config"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert asked == [archive]
+    printed = json.loads(out)
+    assert printed["http"] == {"port": 9000} and "grpc" not in printed
+    assert printed["models"][0]["batching"] == {"max_batch_size": 4}
+    assert printed["models"][0]["name"] == "pair"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import model_entry, spec, start_server, write_config
+from conftest import HANDLERS, model_entry, spec, start_server, write_config
 
 from aserve import runtime_dir
 
@@ -151,3 +152,36 @@ def test_runtime_dir_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert runtime_dir.runtime_dir() == tmp_path / "home" / ".cache" / "aserve" / "run"
+
+
+def test_a_server_is_listed_while_its_models_load(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copy(HANDLERS / "gated.py", tmp_path / "gated.py")
+    gate, began = tmp_path / "gate", tmp_path / "began"
+    os.mkfifo(gate)
+    config = write_config(tmp_path, {"models": [{
+        "name": "gated", "engine": "python", "handler": "gated:Gated",
+        "parameters": {"gate": str(gate), "began": str(began)},
+        "inputs": [spec("X", "FP32", [2])], "outputs": [spec("Y", "FP32", [1])],
+    }]})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aserve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "ASERVE_RUNTIME_DIR": str(run_dir)},
+    )  # fmt: skip
+    try:
+        entry = wait_for(run_dir, lambda es: bool(es) and began.exists())[0]
+        assert entry["pid"] == proc.pid and entry["state"] == "starting"
+        assert entry["models"] == [{"name": "gated", "version": "1", "state": "LOADING"}]
+        assert entry["http"]  # listening already
+        with open(gate, "wb"):  # lets load() return
+            pass
+        wait_for(
+            run_dir, lambda es: es[0]["state"] == "ready" and es[0]["models"][0]["state"] == "READY"
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert ps_json(run_dir) == [] and not any(run_dir.iterdir())
+    finally:
+        proc.kill()
+        proc.wait()
