@@ -64,7 +64,9 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
         help="serve one model file, no config needed",
-        description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None,
+        description="Serve one model file with no config file. Tensors are read from .pt2, "
+        ".onnx and .plan files and given with --input/--output otherwise; a flag left out "
+        "keeps the config's default. --print-config shows the config the flags make.",
     )
     p.add_argument(
         "file", metavar="FILE",
