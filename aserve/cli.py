@@ -1,14 +1,18 @@
-"""``aserve`` / ``python -m aserve``: serve the models of a JSON config."""
+"""``aserve`` / ``python -m aserve``: serve the models of a JSON config, or run a subcommand.
+
+Each subcommand lives in its own module under :mod:`aserve.commands`, which
+adds its parser and the function that runs it.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
 
-from aserve import __version__, archive_pack, scaffold
+from aserve import __version__
+from aserve.commands import project, ps, serve
 
 # Package data, so that an installed wheel has it (configs/default.json links to it).
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "default_config.json"
@@ -43,31 +47,17 @@ def _parser() -> argparse.ArgumentParser:
         help="text or JSON lines (default: the config's logging.format, else text)",
     )
     p.add_argument("--version", action="version", version=f"aserve {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    new = sub.add_parser("new", help="scaffold a handler project in ./NAME")
-    new.add_argument("name", metavar="NAME", help="the project's folder and its model's name")
-    pack = sub.add_parser("archive", help="test a project with pytest, then pack it (.aserve)")
-    pack.add_argument("project", type=Path, metavar="DIR", help="the project's folder")
-    pack.add_argument("-o", "--output", type=Path, default=None, help="default: ./DIR.aserve")
-    pack.add_argument(
-        "--config",
-        dest="project_config",
-        metavar="FILE",
-        default="config.json",
-        help="the project's config (default: config.json)",
-    )
-    pack.add_argument("--skip-tests", action="store_true", help="pack without running pytest")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands (none: --config)")
+    serve.add_parser(sub)
+    ps.add_parser(sub)
+    project.add_parsers(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "new":
-        return scaffold.run_new(args.name)
-    if args.command == "archive":
-        return archive_pack.run_archive(
-            args.project, args.output, args.project_config, args.skip_tests
-        )
+    if args.command is not None:
+        return int(args.run(args))
     from aserve import logs
 
     logs.configure(args.log_level, args.log_format or "text")
@@ -88,25 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     if overrides:
         config = config.model_copy(update={"http": config.http.model_copy(update=overrides)})
 
+    from aserve.commands.run import run_server
     from aserve.loop.reload import ConfigSource
-    from aserve.loop.runtime import Server, StartupError
 
     # Only a config the user named is watched; SIGHUP re-reads either.
     watch_s = args.watch_interval if args.config is not None else 0.0
     source = ConfigSource(Path(path), raw, file_config, watch_s)
-
-    try:
-        import uvloop
-    except ImportError:
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
-    log.info("aserve %s starting with %s", __version__, path)
-    try:
-        runner(Server(config, base_dir, source).run())
-    except StartupError as exc:
-        print(f"aserve: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    return 0
+    return run_server(config, base_dir, source, path)

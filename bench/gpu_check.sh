@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU check for aserve: detect the GPU, run the GPU-marked tests, measure the
 # bench MLP through aserve on cuda:0 (torch with 1/2/4 instances and CUDA graphs, onnxruntime's
-# CUDA provider, TensorRT fp32/fp16), and write a Markdown report.
+# CUDA provider, TensorRT fp32/fp16), serve a built engine as a .plan with `aserve serve`
+# (tensors read from the engine), and write a Markdown report.
 #
 #   bench/gpu_check.sh                  # run the check (about 5-8 minutes on a GPU)
 #   bench/gpu_check.sh --fetch-wheels   # here, with PyPI: wheels for a GPU box without them
@@ -131,6 +132,14 @@ BENCH_RC=$?
 REPORT="$OUTDIR/gpu-$STAMP$([ "$MODE" = gpu ] || echo -cpu-only).md"
 cp "$WORK/gpu_bench.json" "${REPORT%.md}.json" 2>/dev/null
 
+say "aserve serve on a TensorRT .plan (tensors read from the engine the rows above built)"
+timeout 300 "$PY" -m bench.plan_serve --out "$WORK/plan_serve.json"
+PLAN_RC=$?
+if [ -f "$REPORT" ] && [ -f "$WORK/plan_serve.json" ]; then
+  { echo; echo "## aserve serve on a .plan"; echo; echo '```json'; cat "$WORK/plan_serve.json"
+    echo '```'; } >> "$REPORT"
+fi
+
 say "report: $REPORT"
 if [ -f "$REPORT" ]; then cat "$REPORT"; fi
 if [ "$MODE" = cpu ]; then
@@ -141,7 +150,9 @@ if [ "$MODE" = cpu ]; then
   echo "  (each skipped above with its reason)"
   echo "- throughput rows on cuda:0: torch x1/x2/x4, CUDA graphs, onnx CUDA provider, TensorRT"
   echo "  (see 'Skipped' in the report; the CPU smoke rows only show the harness works)"
+  echo "- aserve serve on a TensorRT .plan reading its tensors from the engine"
 fi
-echo "gpu_check: tests exit $TESTS_RC, bench exit $BENCH_RC"
+echo "gpu_check: tests exit $TESTS_RC, bench exit $BENCH_RC, plan serve exit $PLAN_RC"
 [ "$TESTS_RC" -eq 0 ] || [ "$TESTS_RC" -eq 5 ] || exit 1
+[ "$PLAN_RC" -eq 0 ] || exit 1
 exit "$BENCH_RC"

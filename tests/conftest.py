@@ -108,14 +108,24 @@ def write_config(folder: Path, config: dict[str, Any], name: str = "config.json"
 
 
 def start_server(
-    config_path: Path,
+    config_path: Path | None,
     extra_env: dict[str, str] | None = None,
     extra_args: tuple[str, ...] = (),
+    argv: list[str] | None = None,
 ) -> ServerProcess:
-    """Start ``python -m aserve --config`` on a free port; wait until it is ready."""
+    """Start ``python -m aserve --config`` on a free port; wait until it is ready.
+
+    With ``argv`` (and no config), ``python -m aserve *argv`` instead: it names the
+    port (``--port 0``) and gRPC (``--grpc-port 0`` or ``--no-grpc``) itself."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+    if argv is None:
+        assert config_path is not None
+        argv = ["--config", str(config_path), "--port", "0", *extra_args]
+        wants_grpc = "grpc" in json.loads(config_path.read_text())
+    else:
+        wants_grpc = "--no-grpc" not in argv
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aserve", "--config", str(config_path), "--port", "0", *extra_args],
+        [sys.executable, "-m", "aserve", *argv],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -123,7 +133,6 @@ def start_server(
     )
     server = ServerProcess(proc, 0)
     port_found = threading.Event()
-    wants_grpc = "grpc" in json.loads(config_path.read_text())
 
     def pump() -> None:
         assert proc.stderr is not None

@@ -69,6 +69,18 @@ def import_tensorrt() -> Any:
     return tensorrt
 
 
+def describe_engine(trt: Any, engine: Any) -> tuple[list[ModelTensor], list[ModelTensor]]:
+    """A deserialized engine's input and output tensors, in its order."""
+    ins, outs = [], []
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        dtype = engine.get_tensor_dtype(name)
+        dims = tuple(None if d < 0 else int(d) for d in engine.get_tensor_shape(name))
+        t = ModelTensor(name, TRT_DATATYPES.get(dtype.name), dims, dtype.name)
+        (ins if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else outs).append(t)
+    return ins, outs
+
+
 class _Tensor:
     __slots__ = ("device", "dtype", "host", "name", "nbytes_per_item", "tail")
 
@@ -146,7 +158,7 @@ class TensorRTEngine(Engine):
                 "TensorRT version and on the GPU model it was built for (see the log above)"
             )
         self._engine = engine
-        ins, outs = self._describe(engine)
+        ins, outs = describe_engine(trt, engine)
         inputs = reconcile("inputs", cfg.inputs, ins, b.max_batch_size)
         outputs = reconcile("outputs", cfg.outputs, outs, b.max_batch_size)
         self._dynamic = any(None in t.dims for t in ins)
@@ -154,17 +166,6 @@ class TensorRTEngine(Engine):
             self._check_profiles(engine, [t.name for t in ins])
         self.config = cfg.model_copy(update={"inputs": inputs, "outputs": outputs})
         log.info("model %s: TensorRT %s on %s", cfg.name, trt.__version__, cfg.device)
-
-    def _describe(self, engine: Any) -> tuple[list[ModelTensor], list[ModelTensor]]:
-        trt = self._trt
-        ins, outs = [], []
-        for i in range(engine.num_io_tensors):
-            name = engine.get_tensor_name(i)
-            dtype = engine.get_tensor_dtype(name)
-            dims = tuple(None if d < 0 else int(d) for d in engine.get_tensor_shape(name))
-            t = ModelTensor(name, TRT_DATATYPES.get(dtype.name), dims, dtype.name)
-            (ins if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else outs).append(t)
-        return ins, outs
 
     def _check_profiles(self, engine: Any, names: list[str]) -> None:
         cfg = self.config

@@ -26,6 +26,7 @@ from aserve.frontends.grpc import GrpcFrontend
 from aserve.frontends.http import HttpFrontend
 from aserve.loop.fd_limit import raise_open_file_limit
 from aserve.loop.limits import Admission
+from aserve.loop.registration import Registration
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
 from aserve.loop.runtimes import create_runtime
@@ -67,6 +68,7 @@ class Server:
         self._stop_requested: asyncio.Event | None = None
         self._cache_releaser: asyncio.Task[None] | None = None
         self._listening = False  # both frontends' sockets are bound
+        self.registration = Registration(self)  # this server's entry for `aserve ps`
 
     def not_ready_reason(self) -> str | None:
         """Why the server is not ready, or None when it is."""
@@ -79,6 +81,7 @@ class Server:
         """Open the listeners, then load and warm every model; ready after that."""
         self.registry.starting = True
         await self._listen()
+        await self.registration.publish()
         self._apply_gpu_settings()
         runtimes = [
             create_runtime(m, self.base_dir, self.registry, self.config.gpu)
@@ -166,6 +169,7 @@ class Server:
         if self._cache_releaser is not None:
             self._cache_releaser.cancel()
         self.state = ServerState.STOPPED
+        await self.registration.close()
         log.info("stopped")
 
     def _apply_gpu_settings(self) -> None:

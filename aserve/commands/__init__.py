@@ -1,0 +1,1 @@
+"""The ``aserve`` subcommands, one module each (``aserve/cli.py`` dispatches)."""

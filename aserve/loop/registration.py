@@ -1,0 +1,132 @@
+"""This server's entry in the runtime directory, kept current (what ``aserve ps`` lists).
+
+Written once the listeners are bound (state "starting", models "LOADING"),
+then rewritten whenever what it says changes: the server's state, or a
+model's (loaded, reloaded, unloaded, an instance restarting). Changes are
+found by looking a few times a second, the way the gRPC health watcher
+does, because a model also turns not ready with no event on the loop.
+The entry is removed when the server stops, and at interpreter exit as a
+fallback; after SIGKILL it stays, and readers clean it (see
+:mod:`aserve.runtime_dir`).
+
+Why a file rather than ``ps`` asking each server over HTTP: it needs no API
+key or TLS client setup for servers that require them, answers at once for
+a server whose loop is busy, and names servers that are still binding or
+loading. The snapshot is built on the loop; files are written on a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import os
+import shlex
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aserve import __version__, runtime_dir
+
+if TYPE_CHECKING:
+    from aserve.loop.runtime import Server
+
+log = logging.getLogger("aserve.server")
+
+POLL_S = 0.5
+
+
+class Registration:
+    def __init__(self, server: Server, folder: Path | None = None) -> None:
+        self._server = server
+        self._folder = folder or runtime_dir.runtime_dir()
+        self._pid = os.getpid()
+        self._started_at = time.time()
+        self._proc_start = runtime_dir.process_start_time(self._pid)
+        self._last: dict[str, Any] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._written = False
+        # A write still running on its thread when close() removes the entry must not
+        # bring it back: both take the lock, and nothing is written once closed.
+        self._file_lock = threading.Lock()
+        self._closed = False
+        self._published = False
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the entry says now (on the loop: reads the registry)."""
+        srv = self._server
+        starting = srv.state.value == "starting"
+        models = []
+        for m in srv.reloader.index():
+            state = m["state"]
+            if starting and state == "UNAVAILABLE" and m["reason"] == "not loaded":
+                state = "LOADING"
+            models.append({"name": m["name"], "version": m["version"], "state": state})
+        scheme = "https" if srv.config.tls is not None else "http"
+        grpc = srv.grpc.addresses if srv.grpc is not None else []
+        return {
+            "pid": self._pid,
+            "proc_start": self._proc_start,
+            "started_at": self._started_at,
+            "version": __version__,
+            "command": shlex.join(["aserve", *sys.argv[1:]]),
+            "config": srv.reloader.status.config_file,
+            "http": [f"{scheme}://{_host(h)}:{p}" for h, p in srv.http.addresses],
+            "grpc": [f"{_host(h)}:{p}" for h, p in grpc],
+            "state": srv.state.value,
+            "models": models,
+        }
+
+    async def publish(self) -> None:
+        """Write the entry (the listeners are bound) and keep it current until :meth:`close`."""
+        self._published = True
+        atexit.register(self._remove)
+        await self._write_if_changed()
+        self._task = asyncio.create_task(self._refresh(), name="aserve-registration")
+
+    async def _refresh(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_S)
+            await self._write_if_changed()
+
+    async def _write_if_changed(self) -> None:
+        snap = self.snapshot()
+        if snap == self._last:
+            return
+        self._last = snap
+        try:
+            await asyncio.to_thread(self._write_threadsafe, snap)
+            self._written = True
+        except OSError as exc:  # ps will not list this server; serving goes on
+            if not self._written:
+                log.warning("cannot register in %s (aserve ps): %s", self._folder, exc)
+
+    async def close(self) -> None:
+        """Stop refreshing and remove the entry."""
+        if not self._published:
+            return  # the listeners did not bind
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])  # its cancellation, not ours
+            self._task = None
+        # Also when no write has finished yet: one may be running on its thread.
+        await asyncio.to_thread(self._remove)
+        atexit.unregister(self._remove)
+
+    def _write_threadsafe(self, snap: dict[str, Any]) -> None:
+        with self._file_lock:
+            if not self._closed:
+                runtime_dir.write_entry(self._folder, self._pid, snap)
+
+    def _remove(self) -> None:
+        with self._file_lock:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                runtime_dir.remove_entry(self._folder, self._pid)
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
