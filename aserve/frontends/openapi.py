@@ -222,6 +222,10 @@ def build_document() -> dict[str, Any]:
             "get": _op("Model metadata", _ref("ModelMetadata"), errors=(404,)),
             "parameters": params,
         }
+        paths[base + "/config"] = {
+            "get": _op("Triton's model config (ModelConfig as JSON)", errors=(404,)),
+            "parameters": params,
+        }
         paths[base + "/ready"] = {
             "get": _op("Model readiness", errors=(404, 503)),
             "parameters": params,
