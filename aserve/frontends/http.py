@@ -172,6 +172,9 @@ class HttpFrontend:
         from aserve.frontends.http_admin import add_admin_routes  # it imports this module
 
         add_admin_routes(route, self._server)
+        from aserve.frontends.predictions import add_prediction_routes  # it imports this module
+
+        add_prediction_routes(route, self._server)
         add_metrics_route(route, self._server)
         add_openapi_route(route)
         from aserve.frontends.http_dashboard import add_dashboard_routes  # it imports this module
