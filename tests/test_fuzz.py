@@ -687,10 +687,10 @@ def bad_route(draw: st.DrawFn) -> Req:
     name = draw(st.from_regex(r"[A-Za-z0-9_-]{1,10}", fullmatch=True))
     if kind == "model":
         name = name if name not in ("affine", "mixed", "spin", "tokenizer", "gpt2") else name + "_"
-        suffix = draw(
-            st.sampled_from(["/infer", "/generate", "/generate_stream", "", "/ready", "/stats"])
-        )
-        method = "GET" if suffix in ("", "/ready", "/stats") else "POST"
+        suffix = draw(st.sampled_from(
+            ["/infer", "/generate", "/generate_stream", "", "/ready", "/stats", "/config"]
+        ))  # fmt: skip
+        method = "GET" if suffix in ("", "/ready", "/stats", "/config") else "POST"
         return Req(method, f"/v2/models/{name}{suffix}", VALID_BODIES["/v2/models/affine/infer"])
     if kind == "version":
         version = str(draw(st.integers(2, 10**6)))

@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 from conftest import ServerProcess
-from gen_helpers import idle, wait_gen
+from gen_helpers import gen_stats, idle, wait_gen
 
 from aserve.streaming.http_stream import wants_ndjson
 
@@ -138,6 +138,27 @@ async def test_failure_after_the_first_byte_is_a_last_error_line(
     assert orjson.loads(body) == {"error": "field 'text_input' must be a string"}
     async with aiohttp.ClientSession() as session:
         await wait_gen(session, decoder_server.base, "gpt2", idle)
+
+
+async def test_a_client_that_goes_away_cancels_its_sequence(decoder_server: ServerProcess) -> None:
+    base = decoder_server.base
+    body = {"text_input": "Hello", "parameters": {"max_tokens": 120, "ignore_eos": True}}
+    async with aiohttp.ClientSession() as session:
+        before = await wait_gen(session, base, "gpt2", idle)
+        async with aiohttp.ClientSession() as streaming:
+            r = await streaming.post(
+                base + "/v2/models/gpt2/generate_stream", json=body, headers={"Accept": NDJSON}
+            )
+            assert r.status == 200 and r.content_type == NDJSON
+            orjson.loads(await r.content.readline())
+            orjson.loads(await r.content.readline())
+            running = await gen_stats(session, base, "gpt2")
+            assert running["generation"]["running_sequence_count"] == 1
+            r.close()  # the client goes away mid-stream
+        after = await wait_gen(session, base, "gpt2", idle)
+        assert after["cancelled"] == before["cancelled"] + 1
+        made = after["generation"]["generated_tokens"] - before["generation"]["generated_tokens"]
+        assert 2 <= made < 120  # it stopped early: the sequence left the batch
 
 
 async def test_body_limit_applies_before_reading(decoder_server: ServerProcess) -> None:
