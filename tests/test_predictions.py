@@ -283,3 +283,20 @@ async def test_hostile_multipart_is_refused_without_stalling(raw_server: ServerP
     async with aiohttp.ClientSession() as session:
         assert (await _post(session, url, b"still here"))[0] == 200
     print(f"\nslowest liveness probe {watch.worst_s * 1e3:.1f} ms (bound {watch.bound_s:.2f} s)")
+
+
+async def test_deadlines_apply_as_on_infer(raw_server: ServerProcess) -> None:
+    base = raw_server.base
+    url = base + "/predictions/raw"
+    async with aiohttp.ClientSession() as session:
+        status, _, body = await _post(session, url, b"x", {"aserve-timeout-ms": "soon"})
+        assert status == 400 and "aserve-timeout-ms" in orjson.loads(body)["error"]
+        await wait_for_stats(session, base, "raw", lambda s: s["pending_request_count"] == 0)
+        with frozen(raw_server.worker_pid("raw")):
+            held = asyncio.create_task(_post(session, url, b"held"))
+            await wait_for_stats(session, base, "raw", lambda s: s["running_batch_count"] == 1)
+            # Behind a batch that does not end, a short deadline is refused (503, when
+            # admission sees it cannot be met) or passes in the queue (504).
+            status, _, body = await _post(session, url, b"late", {"aserve-timeout-ms": "200"})
+            assert status in (503, 504), body
+        assert (await held)[0] == 200
