@@ -44,7 +44,7 @@ def _affine(model_dir: Path) -> dict[str, Any]:
 def request(
     url: str, doc: Any = None, headers: dict[str, str] | None = None, context: Any = None
 ) -> tuple[int, dict[str, str], bytes]:
-    data = None if doc is None else orjson.dumps(doc)
+    data = doc if doc is None or isinstance(doc, bytes) else orjson.dumps(doc)
     req = urllib.request.Request(url, data=data, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=10, context=context) as r:
@@ -83,6 +83,16 @@ def test_http_needs_a_key_but_on_open_paths(keyed: ServerProcess) -> None:
     assert request(infer, BODY, {"Authorization": "Bearer second-key"})[0] == 200
     assert request(infer, BODY, {"Authorization": "bearer first-key"})[0] == 200
     assert request(keyed.base + "/v2/models/affine")[0] == 401  # metadata too
+    assert request(keyed.base + "/v2/models/affine/config")[0] == 401
+    # The raw body route and the NDJSON streams: refused before anything is read.
+    assert request(keyed.base + "/predictions/affine", b"\xff\xd8")[0] == 401
+    ndjson = {"Accept": "application/x-ndjson"}
+    for path in ("/v2/models/affine/generate_stream", "/v1/chat/completions"):
+        assert request(keyed.base + path, {"stream": True}, ndjson)[0] == 401
+    status, _, body = request(
+        keyed.base + "/predictions/affine", b"\xff\xd8", {"Authorization": "Bearer first-key"}
+    )
+    assert status == 400 and "python handler" in orjson.loads(body)["error"]
     assert request(keyed.base + "/openapi.json")[0] == 401
     for open_path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
         assert request(keyed.base + open_path)[0] == 200

@@ -4,11 +4,13 @@ hypothesis builds the requests and one aiohttp session (keep-alive) sends them,
 one at a time, to a real server on loopback that serves a numeric model with
 several datatypes, a variable-shape model, a python handler with a BYTES input
 and a tiny decoder (KServe V2 ``/infer``, the binary tensor extension, Triton's
-``/generate``, the OpenAI routes). Each strategy starts from a valid request
+``/generate``, the OpenAI routes, SSE or NDJSON; TorchServe's ``/predictions``
+with raw and multipart bodies). Each strategy starts from a valid request
 and breaks it in one way that is certain to be wrong: bad JSON, wrong types,
 huge or negative shapes, shape/data mismatches, unknown datatypes, binary
 headers and ``binary_data_size`` values that lie, truncated and mis-encoded
-bodies, out-of-range sampling settings. Every answer must be a 4xx with a JSON
+bodies, out-of-range sampling settings, multipart bodies that are cut short,
+nested, flooded with parts or headers. Every answer must be a 4xx with a JSON
 error body: a 5xx, a dropped connection or a hang (no answer within
 ``REQUEST_TIMEOUT_S``) fails the test, and hypothesis shrinks the request that
 did it. Afterwards the server must still answer correct inferences, and its
@@ -65,6 +67,7 @@ def srv(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
 
     folder = tmp_path_factory.mktemp("fuzz")
     copy_handler(folder)
+    copy_handler(folder, "raw_body")
     gpt2 = lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
     mixed_io = [("FLAGS", "BOOL"), ("SMALL", "INT8"), ("BIG", "INT64"), ("HALF", "FP16"),
                 ("DOUBLE", "FP64"), ("OCTETS", "UINT8")]  # fmt: skip
@@ -93,6 +96,11 @@ def srv(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
                 "batching": {"max_batch_size": 8},
             },
             {"name": "gpt2", "engine": "decoder", "path": str(gpt2), "generation": GENERATION},
+            {
+                "name": "raw", "engine": "python", "handler": "raw_body:RawBody",
+                "inputs": [spec("TEXT", "BYTES", [1])],
+                "outputs": [spec("LENGTH", "INT64", [1]), spec("BATCH", "INT64", [1])],
+            },
         ],
     }  # fmt: skip
     server = start_server(write_config(folder, config))
@@ -679,10 +687,10 @@ def bad_route(draw: st.DrawFn) -> Req:
     name = draw(st.from_regex(r"[A-Za-z0-9_-]{1,10}", fullmatch=True))
     if kind == "model":
         name = name if name not in ("affine", "mixed", "spin", "tokenizer", "gpt2") else name + "_"
-        suffix = draw(
-            st.sampled_from(["/infer", "/generate", "/generate_stream", "", "/ready", "/stats"])
-        )
-        method = "GET" if suffix in ("", "/ready", "/stats") else "POST"
+        suffix = draw(st.sampled_from(
+            ["/infer", "/generate", "/generate_stream", "", "/ready", "/stats", "/config"]
+        ))  # fmt: skip
+        method = "GET" if suffix in ("", "/ready", "/stats", "/config") else "POST"
         return Req(method, f"/v2/models/{name}{suffix}", VALID_BODIES["/v2/models/affine/infer"])
     if kind == "version":
         version = str(draw(st.integers(2, 10**6)))
@@ -721,6 +729,12 @@ GEN_BAD: dict[str, st.SearchStrategy[Any]] = {
 }  # fmt: skip
 
 
+# Streams are SSE or NDJSON by the Accept header; a refusal comes before either starts.
+STREAM_ACCEPT = st.sampled_from([
+    {}, {"Accept": "application/x-ndjson"}, {"Accept": "text/event-stream, application/x-ndjson"},
+])  # fmt: skip
+
+
 @st.composite
 def generate_malformed(draw: st.DrawFn) -> Req:
     path = "/v2/models/gpt2/" + draw(st.sampled_from(["generate", "generate_stream"]))
@@ -738,7 +752,7 @@ def generate_malformed(draw: st.DrawFn) -> Req:
     else:  # Triton reads top-level keys as parameters
         key = draw(st.sampled_from(sorted(GEN_BAD)))
         doc = {"text_input": "Hi", "max_tokens": 2, key: draw(GEN_BAD[key])}
-    return Req("POST", path, dumps(doc))
+    return Req("POST", path, dumps(doc), headers=draw(STREAM_ACCEPT))
 
 
 # --- the OpenAI API ---------------------------------------------------------------------
@@ -805,7 +819,7 @@ def openai_malformed(draw: st.DrawFn) -> Req:
     kind = draw(
         st.sampled_from([*sorted(table), "not an object", "stream_options", "timeout header"])
     )
-    headers: dict[str, str] = {}
+    headers: dict[str, str] = dict(draw(STREAM_ACCEPT))
     if draw(st.booleans()) and kind not in ("stream", "stream_options"):
         doc["stream"] = True
     if kind == "not an object":
@@ -831,6 +845,81 @@ def openai_malformed(draw: st.DrawFn) -> Req:
     return Req("POST", path, dumps(doc), headers=headers)
 
 
+# --- /predictions: raw bodies and multipart --------------------------------------------
+
+MAX_PARTS = 128  # aserve/frontends/predictions.py
+BOUNDARY = "fuzzBoundary7"
+MULTIPART = f"multipart/form-data; boundary={BOUNDARY}"
+
+
+def _part(name: str, data: bytes, headers: str = "") -> bytes:
+    return (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{name}"\r\n{headers}\r\n'.encode()
+        + data
+        + b"\r\n"
+    )
+
+
+VALID_MULTIPART = (
+    _part("a", b"one") + _part("b", b"two\r\n--almost") + f"--{BOUNDARY}--\r\n".encode()
+)
+
+
+@st.composite
+def predictions_malformed(draw: st.DrawFn) -> Req:
+    """Multipart bodies that are broken, too many parts, preambles, nesting, header
+    floods, bad boundaries; raw bodies for models that take none; unknown models."""
+    kind = draw(st.sampled_from([
+        "truncated", "junk", "no boundary", "bad boundary", "too many parts", "preamble",
+        "nested", "header flood", "no parts", "not a raw model", "unknown model", "too large",
+    ]))  # fmt: skip
+    headers = {"Content-Type": MULTIPART}
+    body = VALID_MULTIPART
+    path = "/predictions/raw"
+    if kind == "truncated":  # ends before its closing boundary
+        body = body[: draw(st.integers(0, len(body) - 5))]
+    elif kind == "junk":
+        body = draw(st.binary(max_size=300).filter(lambda b: f"--{BOUNDARY}".encode() not in b))
+    elif kind == "no boundary":
+        headers["Content-Type"] = draw(st.sampled_from(
+            ["multipart/form-data", "multipart/form-data; charset=utf-8", "multipart/form-data;"]
+        ))  # fmt: skip
+    elif kind == "bad boundary":
+        bad = draw(st.one_of(st.text("ab", min_size=71, max_size=90), st.just('""')))
+        headers["Content-Type"] = f"multipart/form-data; boundary={bad}"
+    elif kind == "too many parts":
+        n = draw(st.integers(MAX_PARTS + 1, MAX_PARTS + 300))
+        body = _part("p", b"x") * n + f"--{BOUNDARY}--\r\n".encode()
+    elif kind == "preamble":
+        body = (
+            draw(st.sampled_from([b"\n", b"x", b"line\r\n"])) * draw(st.integers(1100, 20000))
+            + body
+        )
+    elif kind == "nested":
+        inner = b"--in\r\n\r\nx\r\n--in--\r\n"
+        body = (
+            f"--{BOUNDARY}\r\nContent-Type: multipart/mixed; boundary=in\r\n\r\n".encode()
+            + inner + f"\r\n--{BOUNDARY}--\r\n".encode()
+        )  # fmt: skip
+    elif kind == "header flood":
+        lines = "".join(f"X-H{i}: v\r\n" for i in range(draw(st.integers(17, 2000))))
+        body = _part("a", b"x", lines) + f"--{BOUNDARY}--\r\n".encode()
+    elif kind == "no parts":
+        body = f"--{BOUNDARY}--\r\n".encode()
+    elif kind == "not a raw model":
+        path = "/predictions/" + draw(st.sampled_from(["affine", "tokenizer", "gpt2", "mixed"]))
+        headers = {"Content-Type": draw(st.sampled_from(["image/jpeg", MULTIPART]))}
+    elif kind == "unknown model":
+        name = draw(st.from_regex(r"[A-Za-z0-9_-]{1,10}", fullmatch=True).filter(
+            lambda n: n not in ("affine", "mixed", "spin", "tokenizer", "gpt2", "raw")
+        ))  # fmt: skip
+        path = f"/predictions/{name}" + draw(st.sampled_from(["", "/1"]))
+    else:  # over max_request_bytes: raw or multipart, with or without Content-Length
+        headers = {"Content-Type": draw(st.sampled_from(["image/jpeg", MULTIPART]))}
+        body = _part("big", b"x" * draw(st.integers(MAX_BODY, 2 * MAX_BODY))) + body
+    return Req("POST", path, body, headers=headers, chunked=draw(st.booleans()))
+
+
 # --- the test ---------------------------------------------------------------------------
 
 STRATEGIES: list[tuple[str, st.SearchStrategy[Req], int]] = [
@@ -842,6 +931,7 @@ STRATEGIES: list[tuple[str, st.SearchStrategy[Req], int]] = [
     ("routes", bad_route(), 100),
     ("generate", generate_malformed(), 450),
     ("openai", openai_malformed(), 750),
+    ("predictions", predictions_malformed(), 250),
 ]
 
 
@@ -880,6 +970,9 @@ def _correct_answers(wire: Wire, eager_models: dict[str, Any]) -> str:
     out = _outputs(_ok(wire, _infer("tokenizer", VALID["tokenizer"])))
     assert (out["LENGTH"], out["UPPER"]) == ([5], ["HELLO"])
     assert out["IDS"][:6] == [*map(float, b"hello"), 0.0]
+
+    a = _ok(wire, Req("POST", "/predictions/raw", VALID_MULTIPART, {"Content-Type": MULTIPART}))
+    assert [p["length"] for p in orjson.loads(a.body)["parts"]] == [3, 13]
 
     greedy = {"model": "gpt2", "prompt": "Hello world", "max_tokens": 8, "temperature": 0}
     completion = orjson.loads(_ok(wire, Req("POST", "/v1/completions", dumps(greedy))).body)

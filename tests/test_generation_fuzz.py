@@ -8,7 +8,7 @@ limits or with ids outside the vocabulary, several prompts or none, an
 unknown model). Every one must be answered with a 4xx (gRPC
 ``INVALID_ARGUMENT`` / ``NOT_FOUND`` / ``RESOURCE_EXHAUSTED``) and a message.
 
-Meanwhile greedy streams (OpenAI SSE and gRPC) run in a loop on the same
+Meanwhile greedy streams (OpenAI SSE, OpenAI NDJSON and gRPC) run in a loop on the same
 engine; each must end with exactly the text it gives alone, and the event
 loop's liveness is polled throughout (``stall_watch``). Runs are
 reproducible (``derandomize=True``, no example database).
@@ -112,9 +112,16 @@ PROMPT_BAD: st.SearchStrategy[Any] = st.one_of(
 class Http:
     path: str
     doc: Any
+    accept: str | None = None  # NDJSON or SSE: refusals come before either starts
 
     def __repr__(self) -> str:  # what hypothesis prints for a failing example
-        return f"Http({self.path} {repr(self.doc)[:600]})"
+        return f"Http({self.path} accept={self.accept!r} {repr(self.doc)[:600]})"
+
+
+ACCEPT = st.sampled_from([
+    None, "application/x-ndjson", "text/event-stream", "application/x-ndjson;q=0.5, */*",
+    "text/event-stream;q=0.1, application/x-ndjson", "application/x-ndjson;q=junk",
+])  # fmt: skip
 
 
 @dataclass
@@ -146,7 +153,7 @@ def openai_malformed(draw: st.DrawFn) -> Http:
         doc["model"] = draw(st.text(min_size=1, max_size=8).filter(lambda m: m != "gpt2"))
     else:
         doc[kind] = draw(BAD[kind])
-    return Http("/v1/chat/completions" if chat else "/v1/completions", doc)
+    return Http("/v1/chat/completions" if chat else "/v1/completions", doc, draw(ACCEPT))
 
 
 @st.composite
@@ -161,7 +168,7 @@ def generate_malformed(draw: st.DrawFn) -> Http:
         doc["parameters"][kind] = draw(BAD[kind])
     else:  # Triton reads top-level keys as parameters (the "parameters" object wins)
         doc = {"text_input": "Hi", "max_tokens": 4, kind: draw(BAD[kind])}
-    return Http(path, doc)
+    return Http(path, doc, draw(ACCEPT))
 
 
 GRPC_BAD: dict[str, st.SearchStrategy[Any]] = {
@@ -267,25 +274,46 @@ class Bench:
                     pieces.append(doc["choices"][0]["text"])
         return "".join(pieces)
 
+    async def ndjson_victim(self) -> str:
+        """The OpenAI victim's request, streamed as newline-delimited JSON."""
+        body = {"model": "gpt2", "prompt": "victim says", "max_tokens": VICTIM_TOKENS,
+                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        pieces = []
+        headers = {"Accept": "application/x-ndjson"}
+        async with self.session.post(
+            self.base + "/v1/completions", json=body, headers=headers
+        ) as r:
+            if r.status != 200 or r.content_type != "application/x-ndjson":
+                raise AssertionError(f"victim got {r.status} {r.content_type}: {await r.text()}")
+            async for line in r.content:
+                doc = orjson.loads(line)
+                if "error" in doc:
+                    raise AssertionError(f"victim failed: {doc}")
+                pieces.append(doc["choices"][0]["text"])
+        return "".join(pieces)
+
     async def grpc_victim(self) -> str:
         req = apb.GenerateRequest(model_name="gpt2", prompt="victim says")
         req.sampling.max_tokens, req.sampling.temperature = VICTIM_TOKENS, 0.0
         req.sampling.ignore_eos = True
         return "".join([m.text async for m in self.stub.Generate(req, timeout=CALL_TIMEOUT_S)])
 
-    async def _victims(self, want: tuple[str, str]) -> None:
+    async def _victims(self, want: tuple[str, str, str]) -> None:
         assert self._stop is not None
         while not self._stop.is_set():
             for i, got in enumerate(
                 await asyncio.gather(
-                    self.openai_victim(), self.grpc_victim(), return_exceptions=True
+                    self.openai_victim(),
+                    self.grpc_victim(),
+                    self.ndjson_victim(),
+                    return_exceptions=True,
                 )
             ):
                 if got != want[i]:
                     self.victim_errors.append(repr(got)[:300])
                 self.victims.append(str(i))
 
-    async def _watched(self, want: tuple[str, str], started: asyncio.Event) -> None:
+    async def _watched(self, want: tuple[str, str, str], started: asyncio.Event) -> None:
         async with watch_loop(self.base) as watch:
             self.watch = watch
             victims = asyncio.create_task(self._victims(want))
@@ -294,7 +322,7 @@ class Bench:
             await self._stop.wait()
             await victims
 
-    def start_background(self, want: tuple[str, str]) -> None:
+    def start_background(self, want: tuple[str, str, str]) -> None:
         async def begin() -> None:
             started = asyncio.Event()
             self._background = asyncio.create_task(self._watched(want, started))
@@ -314,9 +342,10 @@ class Bench:
 
     async def _http(self, req: Http) -> tuple[int, bytes]:
         body = json.dumps(req.doc).encode()  # the stdlib writes integers of any size
-        async with self.session.post(
-            self.base + req.path, data=body, headers={"Content-Type": "application/json"}
-        ) as r:
+        headers = {"Content-Type": "application/json"}
+        if req.accept is not None:
+            headers["Accept"] = req.accept
+        async with self.session.post(self.base + req.path, data=body, headers=headers) as r:
             return r.status, await r.read()
 
     async def _grpc(self, req: Grpc) -> tuple[grpc.StatusCode, str]:
@@ -366,8 +395,12 @@ def test_malformed_generation_requests_get_4xx_and_never_fail_a_stream(
 ) -> None:
     bench = Bench(srv.base, srv.grpc_url)
     try:
-        want = (bench.call(bench.openai_victim()), bench.call(bench.grpc_victim()))
-        assert want[0] == want[1] and want[0]
+        want = (
+            bench.call(bench.openai_victim()),
+            bench.call(bench.grpc_victim()),
+            bench.call(bench.ndjson_victim()),
+        )
+        assert want[0] == want[1] == want[2] and want[0]
         bench.start_background(want)
         for name, strategy in [
             ("openai", openai_malformed()),

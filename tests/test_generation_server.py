@@ -11,8 +11,11 @@ import openai
 import orjson
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from conftest import ServerProcess
 from gen_helpers import gen_stats, idle, wait_gen
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2
 
 from aserve._proto import aserve_pb2 as apb
 from aserve._proto import aserve_pb2_grpc as apb_grpc
@@ -287,6 +290,14 @@ async def test_kserve_infer_metadata_and_config(decoder_server: ServerProcess) -
     try:
         config = client.get_model_config("llama", as_json=True)["config"]
         assert config["model_transaction_policy"] == {"decoupled": True}
+        # Over HTTP, the same config (gRPC's JSON writes 64-bit integers as strings).
+        http_client = httpclient.InferenceServerClient(decoder_server.url)
+        http_config = http_client.get_model_config("llama")
+        http_client.close()
+        assert http_config["model_transaction_policy"] == {"decoupled": True}
+        assert json_format.ParseDict(http_config, model_config_pb2.ModelConfig()) == (
+            json_format.ParseDict(config, model_config_pb2.ModelConfig())
+        )
         assert config["max_batch_size"] == 0 if "max_batch_size" in config else True
     finally:
         client.close()

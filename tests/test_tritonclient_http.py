@@ -46,6 +46,38 @@ def test_server_and_model_metadata(client):
     assert [o["name"] for o in model["outputs"]] == ["SUM", "DOT"]
 
 
+@pytest.mark.parametrize("model", ["affine", "pair", "sleepy"])
+def test_model_config_is_the_one_grpc_gives(client, grpc_client, model):
+    from google.protobuf import json_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = client.get_model_config(model)
+    assert config == client.get_model_config(model, "1")
+    grpc_json = grpc_client.get_model_config(model, as_json=True)["config"]
+    # gRPC's JSON writes 64-bit integers as strings; both parse to the same message.
+    as_message = [
+        json_format.ParseDict(doc, model_config_pb2.ModelConfig()) for doc in (config, grpc_json)
+    ]
+    assert as_message[0] == as_message[1]
+    assert config["name"] == model and "input" in config and "output" in config
+    if model == "affine":
+        assert config["max_batch_size"] == 32
+        assert config["dynamic_batching"]["preferred_batch_size"] == [8, 16, 32]
+        # A number, as Triton's HTTP server writes it (perf_analyzer reads it so).
+        assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+        assert config["input"] == [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [16]}]
+
+
+def test_unknown_model_config_raises_404(client):
+    with pytest.raises(InferenceServerException) as exc:
+        client.get_model_config("nope")
+    assert exc.value.status() == "404"
+    assert "nope" in exc.value.message()
+    with pytest.raises(InferenceServerException) as exc:
+        client.get_model_config("affine", "7")
+    assert exc.value.status() == "404"
+
+
 def test_unknown_model_metadata_raises_404(client):
     with pytest.raises(InferenceServerException) as exc:
         client.get_model_metadata("nope")

@@ -21,6 +21,23 @@ each worker process for ``infer`` (role "infer"); with threads, once (role
 "both"). A handler can skip what its role does not need (a front needs the
 tokenizer, not the weights).
 
+Raw bodies (``POST /predictions/{model}``, TorchServe's route) reach a handler
+that has, besides the methods above::
+
+    preprocess_raw(self, request) -> dict      per request, off the loop: named arrays
+    postprocess_raw(self, outputs, request)    optional, per request: the answer
+
+``request.body`` is the body's bytes, or for ``multipart/form-data`` the
+list of its :class:`Part` (name, filename, content type, data);
+``request.content_type`` is the request's Content-Type, ``request.inputs``
+is empty and ``request.parameters`` holds the query string. The arrays
+``preprocess_raw`` returns are batched as ``preprocess``'s are (with other
+raw requests' and V2 requests' of the same names, dtypes and item shapes),
+so one handler serves both routes. The answer (``postprocess_raw``'s, else
+``postprocess``'s) is sent as :func:`raw_answer` says: ``bytes`` as
+``application/octet-stream``, ``(bytes, content_type)`` as that type, a
+``str`` as text, anything else (a dict of arrays too) as JSON.
+
 Everything in this module runs off the loop.
 """
 
@@ -37,11 +54,13 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import orjson
 
 from aserve.config import ModelConfig, TensorSpec
 from aserve.engines.base import Engine
 
 REQUIRED_METHODS = ("load", "preprocess", "infer", "postprocess")
+RAW_METHOD = "preprocess_raw"  # a handler with it serves /predictions
 
 # sys.path is process-wide: one import at a time may extend it.
 _import_lock = threading.Lock()
@@ -70,6 +89,16 @@ class HandlerContext:
     role: str = "both"
 
 
+@dataclass(frozen=True)
+class Part:
+    """One part of a ``multipart/form-data`` body (a form field or a file)."""
+
+    name: str | None  # the form field's name (Content-Disposition ``name``)
+    filename: str | None  # the file's name, for a file
+    content_type: str | None  # the part's own Content-Type, if it has one
+    data: bytes
+
+
 @dataclass
 class HandlerRequest:
     """One request as ``preprocess`` and ``postprocess`` see it.
@@ -78,6 +107,8 @@ class HandlerRequest:
     dimension first (BYTES tensors are object arrays of ``bytes``);
     ``batch_size`` is that dimension. ``state`` is free for the handler to
     carry something from ``preprocess`` to ``postprocess`` of this request.
+    A raw request (``/predictions``) has no inputs (``batch_size`` 1) and
+    its ``body`` and ``content_type`` instead.
     """
 
     inputs: dict[str, np.ndarray]
@@ -85,6 +116,47 @@ class HandlerRequest:
     parameters: dict[str, Any]
     id: str | None
     state: dict[str, Any] = field(default_factory=dict)
+    body: bytes | list[Part] | None = None
+    content_type: str | None = None
+
+
+def raw_answer(value: Any, where: str) -> tuple[bytes, str]:
+    """A raw request's answer as (body, Content-Type); ``where`` names the method for errors.
+
+    ``bytes`` -> ``application/octet-stream``; ``(bytes, str)`` -> that type;
+    ``str`` -> ``text/plain; charset=utf-8``; anything else is JSON, with
+    numpy arrays and scalars as lists and numbers and ``bytes`` as UTF-8 text.
+    """
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value), "application/octet-stream"
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], (bytes, bytearray, memoryview))
+        and isinstance(value[1], str)
+    ):
+        if not value[1].isprintable() or not value[1].isascii():
+            raise TypeError(f"{where} returned the content type {value[1]!r}: not printable ASCII")
+        return bytes(value[0]), value[1]
+    if isinstance(value, str):
+        return value.encode(), "text/plain; charset=utf-8"
+    try:
+        body = orjson.dumps(value, default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError as exc:
+        raise TypeError(
+            f"{where} returned what is neither bytes, (bytes, content_type), str nor JSON: {exc}"
+        ) from None
+    return body, "application/json"
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.ndarray):  # object arrays (BYTES): orjson takes only numeric ones
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    raise TypeError(f"type {type(value).__name__} is not JSON serializable")
 
 
 def import_handler(spec: str, base_dir: Path) -> type:

@@ -2,7 +2,8 @@
 
 ``POST /v2/models/{m}[/versions/{v}]/generate`` answers one JSON object;
 ``.../generate_stream`` answers server-sent events, one per piece of text,
-and simply ends (no ``[DONE]``). The request is
+and simply ends (no ``[DONE]``); with ``Accept: application/x-ndjson``, the
+same objects as newline-delimited JSON (:mod:`aserve.streaming.http_stream`). The request is
 ``{"id"?, "text_input": str, "parameters"?: {...}}``; other top-level keys
 count as parameters, as Triton maps them. Parameters: ``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``,
@@ -13,7 +14,8 @@ in front). The answer: ``{"id"?, "model_name", "model_version",
 
 Errors before the stream starts are ordinary ``{"error": "..."}`` answers
 with the status of :data:`aserve.frontends.status.HTTP_STATUS`; after it
-starts, ``data: {"error": "..."}`` and the end of the stream.
+starts, ``data: {"error": "..."}`` (NDJSON: a last line ``{"error": "..."}``)
+and the end of the stream.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeo
 from aserve.loop.generation import GenerationRuntime, generation_runtime
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES, body_limit
 from aserve.streaming.channel import Delta
-from aserve.streaming.sse import SseResponse
+from aserve.streaming.http_stream import json_stream
 
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server
@@ -178,7 +180,7 @@ class TritonGenerate:
             req, head, prefix = await self._start(request)
         except AserveError as exc:
             return error_response(exc)
-        sse = SseResponse(request)
+        sse = json_stream(request)
         async with req:
             try:
                 await sse.start()

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from aserve import __version__
-from aserve._proto import aserve_pb2_grpc, model_config_pb2
+from aserve._proto import aserve_pb2_grpc
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
@@ -40,6 +40,7 @@ from aserve.frontends.auth import GrpcAuthInterceptor, grpc_server_credentials
 from aserve.frontends.grpc_generate import SERVICE_NAME as GENERATION_SERVICE
 from aserve.frontends.grpc_generate import GenerationServicer, answer_decoupled
 from aserve.frontends.grpc_health import REFLECTED_SERVICES, Health, reflection_pool
+from aserve.frontends.model_config import triton_config_message
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
 from aserve.loop.deadline import request_timeout_s
@@ -175,8 +176,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelConfigRequest, context: Any
     ) -> pb.ModelConfigResponse:
         runtime = self._runtime(request.name, request.version)
-        config = json_format.ParseDict(runtime.triton_config(), model_config_pb2.ModelConfig())
-        return pb.ModelConfigResponse(config=config)
+        return pb.ModelConfigResponse(config=triton_config_message(runtime.triton_config()))
 
     @_unary
     async def ModelStatistics(

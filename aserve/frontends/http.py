@@ -25,6 +25,7 @@ from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Una
 from aserve.frontends.auth import http_middleware, server_ssl_context
 from aserve.frontends.http_limits import ConnectionGuard, accept_error_handler, pending_bound
 from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, inference_route
+from aserve.frontends.model_config import triton_config_json
 from aserve.frontends.openapi import add_openapi_route
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
@@ -157,6 +158,7 @@ class HttpFrontend:
         route("GET", "/v2/models/stats", self._stats)
         for base in (model, version):
             route("GET", base, self._model_metadata)
+            route("GET", base + "/config", self._model_config)
             route("GET", base + "/ready", self._model_ready)
             route("GET", base + "/stats", self._stats)
             route(
@@ -170,6 +172,9 @@ class HttpFrontend:
         from aserve.frontends.http_admin import add_admin_routes  # it imports this module
 
         add_admin_routes(route, self._server)
+        from aserve.frontends.predictions import add_prediction_routes  # it imports this module
+
+        add_prediction_routes(route, self._server)
         add_metrics_route(route, self._server)
         add_openapi_route(route)
         from aserve.frontends.http_dashboard import add_dashboard_routes  # it imports this module
@@ -208,6 +213,7 @@ class HttpFrontend:
                     "parameters",
                     "statistics",
                     "model_repository",
+                    "model_configuration",
                 ],
             }
         )
@@ -215,6 +221,12 @@ class HttpFrontend:
     async def _model_metadata(self, request: web.Request) -> web.Response:
         try:
             return _json(self._runtime(request).metadata())
+        except AserveError as exc:
+            return error_response(exc)
+
+    async def _model_config(self, request: web.Request) -> web.Response:
+        try:
+            return _json(triton_config_json(self._runtime(request).triton_config()))
         except AserveError as exc:
             return error_response(exc)
 

@@ -11,6 +11,9 @@ With ``"stream": true`` the answer is server-sent events: chunks, then (with
 ``stream_options.include_usage``) one chunk with ``"choices": []`` and the
 usage, then ``data: [DONE]``, and the response ends. A failure after the
 stream started is sent as ``data: {"error": {...}}`` and the stream ends.
+With ``Accept: application/x-ndjson`` the same chunks come as one JSON
+object per line, without ``[DONE]``, and a failure as a last line
+``{"error": {...}}`` (:mod:`aserve.streaming.http_stream` chooses).
 A client that goes away (or whose request is cancelled) cancels its
 sequence, which leaves the batch at the next step.
 
@@ -45,7 +48,8 @@ from aserve.loop.generation import (
 )
 from aserve.loop.prompt_size import check_prompt_size
 from aserve.streaming.channel import Delta
-from aserve.streaming.sse import DONE, SseResponse
+from aserve.streaming.http_stream import json_stream
+from aserve.streaming.sse import DONE
 
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server
@@ -247,7 +251,7 @@ async def _stream(
             choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
         return {**head, "choices": [choice]}
 
-    sse = SseResponse(request)
+    sse = json_stream(request, DONE)
     last: Delta | None = None
     try:
         await sse.start()
@@ -266,7 +270,7 @@ async def _stream(
                 await sse.send(chunk(delta.text, delta.finish_reason))
         if include_usage:
             await sse.send({**head, "choices": [], "usage": usage(last)})
-        return await sse.finish(DONE)
+        return await sse.finish()
     except AserveError as exc:
         request[STATUS_KEY] = exc.code.value
         return await sse.fail(error_doc(exc))

@@ -173,6 +173,21 @@ def _version_params(versioned: bool) -> list[dict[str, Any]]:
     return params
 
 
+def _predictions(versioned: bool) -> dict[str, Any]:
+    op = _op(
+        "TorchServe's raw body route: the body (or multipart/form-data parts) goes to a "
+        "python handler's preprocess_raw; the answer is of the type the handler chose",
+        {},
+        errors=_INFER_ERRORS,
+        ok_type="*/*",
+    )
+    op["requestBody"] = {
+        "required": True,
+        "content": {"*/*": {"schema": {}}, "multipart/form-data": {"schema": {"type": "object"}}},
+    }
+    return {"post": op, "parameters": _version_params(versioned)}
+
+
 def build_document() -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v2/health/live": {"get": _op("Liveness")},
@@ -196,18 +211,21 @@ def build_document() -> dict[str, Any]:
         },
         "/v1/completions": {
             "post": _op(
-                "OpenAI completions (SSE when stream)",
+                "OpenAI completions (SSE when stream; NDJSON with Accept: application/x-ndjson)",
                 body=_ref("OpenAIRequest"),
                 errors=_INFER_ERRORS,
             ),
         },
         "/v1/chat/completions": {
             "post": _op(
-                "OpenAI chat completions (SSE when stream)",
+                "OpenAI chat completions (SSE when stream; NDJSON with Accept: "
+                "application/x-ndjson)",
                 body=_ref("OpenAIRequest"),
                 errors=_INFER_ERRORS,
             ),
         },
+        "/predictions/{model}": _predictions(False),
+        "/predictions/{model}/{version}": _predictions(True),
         "/metrics": {"get": _op("Prometheus metrics", ok={"type": "string"}, ok_type="text/plain")},
         "/openapi.json": {"get": _op("This document")},
         "/": {"get": _op("The live dashboard", {"type": "string"}, ok_type="text/html")},
@@ -220,6 +238,10 @@ def build_document() -> dict[str, Any]:
         params = _version_params(versioned)
         paths[base] = {
             "get": _op("Model metadata", _ref("ModelMetadata"), errors=(404,)),
+            "parameters": params,
+        }
+        paths[base + "/config"] = {
+            "get": _op("Triton's model config (ModelConfig as JSON)", errors=(404,)),
             "parameters": params,
         }
         paths[base + "/ready"] = {
@@ -251,7 +273,8 @@ def build_document() -> dict[str, Any]:
         }
         paths[base + "/generate_stream"] = {
             "post": _op(
-                "Triton generate, as server-sent events",
+                "Triton generate, as server-sent events (or, with Accept: "
+                "application/x-ndjson, one JSON object per line)",
                 {"type": "string"},
                 _ref("GenerateRequest"),
                 _INFER_ERRORS,

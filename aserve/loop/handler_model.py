@@ -8,6 +8,8 @@ the batched middle is shared between requests, so an exception in
 ``infer`` only the requests of that batch; each answers with the
 exception's message. A handler that raises an :class:`aserve.errors.AserveError`
 (``InvalidArgument`` for a bad input, say) answers with that error's code.
+A raw body (``/predictions``) takes the same path through ``preprocess_raw``
+and ``postprocess_raw`` (:meth:`HandlerRuntime.infer_raw`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ import numpy as np
 from aserve.codecs.datatypes import numpy_dtype
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines.base import Engine
-from aserve.engines.python_handler import HandlerRequest, PythonHandlerEngine
+from aserve.engines.python_handler import (
+    RAW_METHOD,
+    HandlerRequest,
+    Part,
+    PythonHandlerEngine,
+    raw_answer,
+)
 from aserve.errors import (
     AserveError,
     DeadlineExceeded,
@@ -117,6 +125,55 @@ class HandlerRuntime(ModelRuntime):
         The deadline covers the whole path; a request whose deadline passes
         during preprocessing is not queued.
         """
+        request = HandlerRequest(inputs, batch_size, dict(parameters or {}), client_id)
+        response = await self._serve(request, "preprocess", "postprocess", timeout_s)
+        return self._response(response, batch_size)
+
+    def raw_refusal(self) -> str | None:
+        """Why this model takes no raw body (``/predictions``), or None when it does."""
+        if self._engine is None or self._engine.handler is None:
+            return None  # not loaded: the request is refused as not ready
+        if callable(getattr(self._engine.handler, RAW_METHOD, None)):
+            return None
+        return (
+            f"model '{self.label}': its handler {self.config.handler} has no "
+            f"{RAW_METHOD}(request), so it takes V2 tensors only "
+            f"(POST /v2/models/{self.name}/infer)"
+        )
+
+    async def infer_raw(
+        self,
+        body: bytes | list[Part],
+        content_type: str,
+        timeout_s: float,
+        client_id: str | None = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> tuple[bytes, str]:
+        """A raw body through ``preprocess_raw`` -> batch -> infer -> ``postprocess_raw``
+        (else ``postprocess``); the answer's bytes and Content-Type (see
+        :func:`aserve.engines.python_handler.raw_answer`)."""
+        reason = self.raw_refusal()
+        if reason is not None:
+            raise InvalidArgument(reason)
+        request = HandlerRequest({}, 1, dict(parameters or {}), client_id, {}, body, content_type)
+        assert self._engine is not None
+        post = "postprocess_raw"
+        if not callable(getattr(self._engine.handler, post, None)):
+            post = "postprocess"
+        answer = await self._serve(request, RAW_METHOD, post, timeout_s, raw=True)
+        assert isinstance(answer, tuple)
+        return answer
+
+    async def _serve(
+        self,
+        request: HandlerRequest,
+        pre: str,
+        post: str,
+        timeout_s: float,
+        raw: bool = False,
+    ) -> Any:
+        """One request through the handler's ``pre`` and ``post`` methods and the batch;
+        what ``post`` returned (for a raw request, already as bytes and a type)."""
         # Counted before the first await: a runtime being drained after a
         # reload waits for this request too.
         self.inflight += 1
@@ -127,9 +184,8 @@ class HandlerRuntime(ModelRuntime):
             now = time.monotonic()
             deadline = now + timeout_s
             handler = self._engine.handler
-            request = HandlerRequest(inputs, batch_size, dict(parameters or {}), client_id)
-            arrays, predicted = await self._preprocess(request, now, deadline)
-            size, key = self._batch_of(arrays)
+            arrays, predicted = await self._preprocess(request, now, deadline, pre)
+            size, key = self._batch_of(arrays, pre)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DeadlineExceeded(
@@ -137,9 +193,15 @@ class HandlerRuntime(ModelRuntime):
                 )
             # The batch must end early enough for postprocessing to finish in time too.
             batch_left = max(left - self._tail.high, left / 2)
-            outputs = await super().infer(arrays, size, key, batch_left, client_id, parameters)
+            outputs = await super().infer(
+                arrays, size, key, batch_left, request.id, request.parameters
+            )
             t0 = time.monotonic()
-            response = await self._in_threads(handler.postprocess, "postprocess", outputs, request)
+            fn = getattr(handler, post)
+            if raw:
+                response = await self._in_threads(_raw_post, post, fn, post, outputs, request)
+            else:
+                response = await self._in_threads(fn, post, outputs, request)
             done = time.monotonic()
             self._tail.add(done - t0)
             slack = ANSWER_SLACK * timeout_s
@@ -152,12 +214,12 @@ class HandlerRuntime(ModelRuntime):
                 if predicted is not None and predicted + self._tail.high > now:
                     ratio = (done + slack - now) / (predicted + self._tail.high - now)
                 self.batcher.margin.missed(done, timeout_s, ratio)
-            return self._response(response, batch_size)
+            return response
         finally:
             self.inflight -= 1
 
     async def _preprocess(
-        self, request: HandlerRequest, now: float, deadline: float
+        self, request: HandlerRequest, now: float, deadline: float, method: str = "preprocess"
     ) -> tuple[Any, float | None]:
         """``preprocess`` in the handler threads, admitted first as the batcher would.
 
@@ -187,7 +249,7 @@ class HandlerRuntime(ModelRuntime):
         self._preprocessing_items += request.batch_size
         try:
             arrays = await asyncio.wait_for(
-                self._in_threads(self._timed_preprocess, "preprocess", request),
+                self._in_threads(self._timed_preprocess, method, method, request),
                 deadline - now,
             )
             return arrays, predicted
@@ -199,11 +261,11 @@ class HandlerRuntime(ModelRuntime):
             self._preprocessing -= 1
             self._preprocessing_items -= request.batch_size
 
-    def _timed_preprocess(self, request: HandlerRequest) -> Any:
+    def _timed_preprocess(self, method: str, request: HandlerRequest) -> Any:
         """In a handler thread: preprocess, and learn how long it takes (a moving average)."""
         assert self._engine is not None
         t0 = time.perf_counter()
-        result = self._engine.handler.preprocess(request)
+        result = getattr(self._engine.handler, method)(request)
         took = time.perf_counter() - t0
         # Handler threads may add at once: an estimate off by one sample is harmless,
         # and each float store is atomic under the GIL; the loop only reads it.
@@ -223,20 +285,20 @@ class HandlerRuntime(ModelRuntime):
                 f"model '{self.label}' {stage} failed: {type(exc).__name__}: {exc}"
             ) from None
 
-    def _batch_of(self, arrays: Any) -> tuple[int, tuple[Any, ...]]:
+    def _batch_of(self, arrays: Any, method: str = "preprocess") -> tuple[int, tuple[Any, ...]]:
         """Validate what preprocess returned; its batch size and shape key."""
         if not isinstance(arrays, dict) or not arrays:
             raise InternalError(
-                f"model '{self.label}' preprocess must return a non-empty dict of arrays, "
+                f"model '{self.label}' {method} must return a non-empty dict of arrays, "
                 f"not {type(arrays).__name__}"
             )
         for name, value in list(arrays.items()):
             if not isinstance(value, np.ndarray):
                 arrays[name] = np.asarray(value)
-        size = _batch_size(arrays, "preprocess", self.label)
+        size = _batch_size(arrays, method, self.label)
         if size > self.max_batch_size:
             raise InvalidArgument(
-                f"model '{self.label}': preprocess made {size} items, over max_batch_size "
+                f"model '{self.label}': {method} made {size} items, over max_batch_size "
                 f"{self.max_batch_size}"
             )
         # Only requests with equal names, dtypes and item shapes can be stacked.
@@ -262,6 +324,11 @@ class HandlerRuntime(ModelRuntime):
     async def unload(self) -> None:
         await super().unload()
         await asyncio.to_thread(self._threads.shutdown)
+
+
+def _raw_post(fn: Callable[..., Any], name: str, outputs: Any, request: HandlerRequest) -> Any:
+    """In a handler thread: a raw request's postprocess, encoded as its answer."""
+    return raw_answer(fn(outputs, request), name)
 
 
 def _batch_size(arrays: Any, stage: str, label: str = "") -> int:

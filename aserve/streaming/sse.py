@@ -38,10 +38,14 @@ def event(doc: Any) -> bytes:
 
 
 class SseResponse:
-    """An ``text/event-stream`` response, written event by event."""
+    """An ``text/event-stream`` response, written event by event.
 
-    def __init__(self, request: web.Request) -> None:
+    ``sentinel`` (e.g. :data:`DONE`) is written by :meth:`finish`, not by :meth:`fail`.
+    """
+
+    def __init__(self, request: web.Request, sentinel: bytes = b"") -> None:
         self._request = request
+        self._sentinel = sentinel
         headers = HEADERS
         rid = request.get(REQUEST_ID_KEY)
         if rid is not None:
@@ -58,16 +62,16 @@ class SseResponse:
     async def send(self, doc: Any) -> None:
         await self.response.write(event(doc))
 
-    async def send_raw(self, data: bytes) -> None:
-        await self.response.write(data)
+    async def finish(self) -> web.StreamResponse:
+        """Write the sentinel, if any, and end the body."""
+        return await self._end(self._sentinel)
 
-    async def finish(self, last: bytes = b"") -> web.StreamResponse:
-        """Write ``last`` (e.g. :data:`DONE`) and end the body."""
+    async def fail(self, error_doc: Any) -> web.StreamResponse:
+        """A failure after the stream started: one error event, then the end."""
+        return await self._end(event(error_doc))
+
+    async def _end(self, last: bytes) -> web.StreamResponse:
         if last:
             await self.response.write(last)
         await self.response.write_eof()
         return self.response
-
-    async def fail(self, error_doc: Any) -> web.StreamResponse:
-        """A failure after the stream started: one error event, then the end."""
-        return await self.finish(event(error_doc))
