@@ -40,6 +40,7 @@ import numpy as np
 
 from aserve.config import ModelConfig, TensorSpec
 from aserve.engines.base import Engine
+from aserve.handler_metrics import MetricSet
 
 REQUIRED_METHODS = ("load", "preprocess", "infer", "postprocess")
 
@@ -68,6 +69,8 @@ class HandlerContext:
     # What this instance of the handler will be asked to do: "both" (every method),
     # "front" (preprocess/postprocess, in the server) or "infer" (in a worker process).
     role: str = "both"
+    # The model's custom metrics (counter/gauge/histogram), usable from every method.
+    metrics: MetricSet | None = None
 
 
 @dataclass
@@ -151,6 +154,8 @@ class PythonHandlerEngine(Engine):
         super().__init__(config, model_path)  # type: ignore[arg-type]
         self.base_dir = base_dir
         self.handler: Any = None
+        # A worker process's set only collects what changed, for the batch answer.
+        self.metrics = MetricSet(config.name, config.version, delta=False)
 
     def load(self) -> None:
         self._load("both")
@@ -159,6 +164,7 @@ class PythonHandlerEngine(Engine):
         self._load("front")
 
     def load_worker(self) -> None:
+        self.metrics = MetricSet(self.config.name, self.config.version, delta=True)
         self._load("infer")
 
     def _load(self, role: str) -> None:
@@ -168,6 +174,7 @@ class PythonHandlerEngine(Engine):
         context = HandlerContext(
             c.name, c.version, c.device, c.instances, self.base_dir,
             self.model_path, dict(c.parameters), list(c.inputs), list(c.outputs), role,
+            self.metrics,
         )  # fmt: skip
         handler = cls()
         handler.load(context)
