@@ -19,6 +19,7 @@ import msgpack
 import orjson
 import pytest
 from conftest import ServerProcess, spec, start_server, write_config
+from prometheus_client.parser import text_string_to_metric_families
 from reload_helpers import copy_handler
 from stall_watch import watch_loop
 
@@ -177,8 +178,6 @@ def scrape(base: str) -> str:
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """Every exposition line as (name, its labels) -> value, whatever the label order."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     return {
         (s.name, frozenset(s.labels.items())): s.value
         for family in text_string_to_metric_families(text)
