@@ -29,7 +29,8 @@ from helpers import sync_wait_for_stats
 from lm_models import tiny_model
 from reload_helpers import copy_handler
 
-from aserve.config import AuthConfig
+from aserve.config import AuthConfig, DashboardConfig
+from aserve.frontends.dashboard_history import DashboardHistory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -387,6 +388,18 @@ def wait_history(base: str, span_s: float, timeout: float = 60) -> dict[str, Any
             return doc
         assert time.monotonic() < deadline, f"the ring spans {len(ring)} samples only"
         time.sleep(0.2)
+
+
+def test_history_ring_keeps_the_last_window_only() -> None:
+    n = iter(range(1000))
+    ring = DashboardHistory(lambda: {"n": next(n)}, span_s=10, interval_s=0.5)
+    for _ in range(100):
+        ring.take()
+    kept = orjson.loads(ring.json())
+    assert [d["n"] for d in kept] == list(range(79, 100))  # 10 s / 0.5 s, and the newest
+    assert ring.json() is ring.json()  # joined once per snapshot
+    with pytest.raises(ValueError, match="7200 snapshots, over the limit 3600"):
+        DashboardConfig(history_s=3600, sample_interval_s=0.5)
 
 
 def test_history_ring_is_bounded_and_in_the_stats(metered_server: ServerProcess) -> None:

@@ -33,17 +33,22 @@ class DashboardHistory:
         self.span_s = span_s
         self.interval_s = interval_s
         self._ring: deque[bytes] = deque(maxlen=math.ceil(span_s / interval_s) + 1)
+        self._joined: bytes | None = None  # json() until the next snapshot
 
     def __len__(self) -> int:
         return len(self._ring)
 
     def json(self) -> bytes:
-        """The snapshots, oldest first, as one JSON array (no re-encoding)."""
-        return b"[" + b",".join(self._ring) + b"]"
+        """The snapshots, oldest first, as one JSON array (no re-encoding). Joined once
+        per snapshot: a page opening costs a copy of the bytes, not a walk over them."""
+        if self._joined is None:
+            self._joined = b"[" + b",".join(self._ring) + b"]"
+        return self._joined
 
     def take(self) -> None:
         """Add one snapshot now (on the loop)."""
         self._ring.append(orjson.dumps(self._sample()))
+        self._joined = None
 
     async def run(self) -> None:
         while True:
