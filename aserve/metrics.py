@@ -4,8 +4,9 @@ Nothing here runs on the request path but :meth:`RequestMetrics.record`, one
 dict increment and one histogram observation per answered request. Everything
 else is read when ``GET /metrics`` is scraped, by :class:`ServerCollector`:
 per-model statistics (:class:`aserve.stats.ModelStats`), the batchers'
-gauges, the generation counters, the reload counters, and the GPU gauges of
-:class:`NvmlSampler` (a thread that polls NVML, only where NVML is present).
+gauges, the generation counters, the reload counters, python handlers' own
+metrics (:mod:`aserve.handler_metrics`, as ``aserve_handler_*``), and the GPU
+gauges of :class:`NvmlSampler` (a thread that polls NVML, only where NVML is present).
 
 Names follow the Prometheus conventions (``aserve_`` prefix, base units,
 ``_total`` counters); ``README.md`` maps them to Triton's ``nv_inference_*``.
