@@ -415,6 +415,26 @@ class GpuConfig(_Frozen):
     (``torch.cuda.empty_cache``), for other processes on the same GPU."""
 
 
+class DashboardConfig(_Frozen):
+    """The dashboard's history, kept by the server (the ``"dashboard"`` block), so that
+    a page opened late still shows the last ``history_s`` seconds."""
+
+    history_s: Annotated[float, Field(ge=10, le=86_400, allow_inf_nan=False)] = 900.0
+    """How far back the server's ring of snapshots (and the page's charts) reach."""
+    sample_interval_s: Annotated[float, Field(ge=0.1, le=60, allow_inf_nan=False)] = 5.0
+    """How often a snapshot goes into the ring; the open page itself polls every second."""
+
+    @model_validator(mode="after")
+    def _bounded_ring(self) -> DashboardConfig:
+        samples = self.history_s / self.sample_interval_s
+        if samples > 3600:
+            raise ValueError(
+                f"history_s / sample_interval_s is {samples:.0f} snapshots, over the limit 3600: "
+                "sample less often or keep less"
+            )
+        return self
+
+
 class ServerConfig(_Frozen):
     """The whole server config (the JSON file)."""
 
@@ -426,6 +446,7 @@ class ServerConfig(_Frozen):
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     gpu: GpuConfig = GpuConfig()
     logging: LoggingConfig = LoggingConfig()
+    dashboard: DashboardConfig = DashboardConfig()
     models: list[ModelConfig] = []
 
     @model_validator(mode="after")

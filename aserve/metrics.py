@@ -4,8 +4,9 @@ Nothing here runs on the request path but :meth:`RequestMetrics.record`, one
 dict increment and one histogram observation per answered request. Everything
 else is read when ``GET /metrics`` is scraped, by :class:`ServerCollector`:
 per-model statistics (:class:`aserve.stats.ModelStats`), the batchers'
-gauges, the generation counters, the reload counters, and the GPU gauges of
-:class:`NvmlSampler` (a thread that polls NVML, only where NVML is present).
+gauges, the generation counters, the reload counters, python handlers' own
+metrics (:mod:`aserve.handler_metrics`, as ``aserve_handler_*``), and the GPU
+gauges of :class:`NvmlSampler` (a thread that polls NVML, only where NVML is present).
 
 Names follow the Prometheus conventions (``aserve_`` prefix, base units,
 ``_total`` counters); ``README.md`` maps them to Triton's ``nv_inference_*``.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -300,6 +301,8 @@ class ServerCollector(Collector):
             kv,
         )
 
+        yield from handler_families(server.registry)
+
         reloads = CounterMetricFamily(
             "aserve_config_reloads",
             "Config reloads, by result (ok, rejected, unchanged).",
@@ -328,6 +331,54 @@ class ServerCollector(Collector):
                 used.add_metric([index, uuid], m_used)
                 size.add_metric([index, uuid], m_total)
             yield from (util, used, size)
+
+
+_conflicts_logged: set[tuple[str, str]] = set()
+
+
+def handler_families(runtimes: Iterable[Any]) -> list[Metric]:
+    """Handlers' custom metrics (``context.metrics``), one family per name across models.
+
+    Two models may declare the same name; when their kinds, labels or buckets
+    differ, the first model's (by name) is exported and the other's is left
+    out, logged once.
+    """
+    families: dict[str, tuple[tuple[Any, ...], Metric]] = {}
+    for rt in sorted(runtimes, key=lambda rt: (rt.name, int(rt.version))):
+        metric_set = getattr(rt, "handler_metrics", None)
+        if metric_set is None:
+            continue
+        for doc in metric_set.snapshot():
+            name, kind, labels = doc["name"], doc["kind"], ["model", "version", *doc["labels"]]
+            signature = (kind, labels, doc["buckets"])
+            entry = families.get(name)
+            if entry is None:
+                cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}.get(
+                    kind, HistogramMetricFamily
+                )
+                entry = families[name] = (signature, cls(name, doc["help"], labels=labels))
+            elif entry[0] != signature:
+                if (name, rt.label) not in _conflicts_logged:
+                    _conflicts_logged.add((name, rt.label))
+                    log.warning("model %s declares metric '%s' unlike another model does; "
+                                "its series are not exported", rt.label, name)  # fmt: skip
+                continue
+            family = entry[1]
+            for values, v in doc["series"]:
+                key = [rt.name, rt.version, *values]
+                if kind == "histogram":
+                    family.add_metric(key, _cumulative(doc["buckets"], v[0]), v[1])
+                else:
+                    family.add_metric(key, v)
+    return [family for _, family in families.values()]
+
+
+def _cumulative(bounds: list[float], counts: list[int]) -> list[tuple[str, int]]:
+    out, total = [], 0
+    for bound, n in zip((*bounds, float("inf")), counts, strict=True):
+        total += n
+        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), total))
+    return out
 
 
 def _histogram(name: str, doc: str) -> HistogramMetricFamily:

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,10 @@ from conftest import ServerProcess, model_entry, spec, start_server, write_confi
 from gen_helpers import GENERATION
 from helpers import sync_wait_for_stats
 from lm_models import tiny_model
+from reload_helpers import copy_handler
 
-from aserve.config import AuthConfig
+from aserve.config import AuthConfig, DashboardConfig
+from aserve.frontends.dashboard_history import DashboardHistory
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -164,7 +167,7 @@ def test_page_is_self_contained(dash_server: ServerProcess) -> None:
     status, content_type, body = get(dash_server.base + "/")
     assert status == 200 and content_type.startswith("text/html")
     page = body.decode()
-    assert "v2/dashboard/stats" in page and len(body) < 16 * 1024
+    assert "v2/dashboard/stats" in page and len(body) < 24 * 1024
     # Nothing to fetch from elsewhere (the SVG namespace is a name, not a fetch).
     rest = page.replace('"http://www.w3.org/2000/svg"', "")
     assert re.search(r"https?://|//[a-z]|\b(src|href)\s*=|@import|url\(", rest, re.I) is None
@@ -255,6 +258,8 @@ def test_dashboard_shows_live_traffic(
     for name in ("affine/1", "gpt2/1"):
         assert charts[f"{name} queue"]["samples"] >= 2
     assert "affine/1 tokens" not in charts  # tokens/s only for decoder models
+    for name in ("affine/1", "gpt2/1"):  # the latency CDF of the traffic so far
+        assert charts[f"{name} cdf"]["samples"] >= 2, charts[f"{name} cdf"]
     assert shot.stat().st_size > 10_000
 
 
@@ -335,3 +340,141 @@ def test_closed_stats_need_a_key_the_page_asks_for(
             page.screenshot(path=str(tmp_path / "dashboard-gpu.png"), full_page=True)
         finally:
             browser.close()
+
+
+# --- the history ring, the latency CDF and handlers' metrics -----------------------------
+
+HISTORY_S = 20  # a short window, so that the test sees all of it without waiting minutes
+
+
+def metered(name: str, executor: str) -> dict[str, Any]:
+    return {
+        "name": name, "engine": "python", "handler": "metered:Metered", "executor": executor,
+        "inputs": [spec("X", "FP32", [2])], "outputs": [spec("Y", "FP32", [1])],
+        "batching": {"max_batch_size": 4, "max_delay_ms": 1},
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def metered_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The metered handler on threads and in a worker process; a 20 s history, sampled at 2 Hz."""
+    folder = tmp_path_factory.mktemp("dashboard-metered")
+    copy_handler(folder, "metered")
+    config = {
+        "dashboard": {"history_s": HISTORY_S, "sample_interval_s": 0.5},
+        "models": [metered("metered", "thread"), metered("metered_proc", "process")],
+    }
+    srv = start_server(write_config(folder, config))
+    yield srv
+    srv.stop()
+
+
+METERED = {
+    "inputs": [{"name": "X", "shape": [2, 2], "datatype": "FP32", "data": [1.0, 2.0, 3.0, 4.0]}],
+    "parameters": {"tag": "page"},
+}
+
+
+def wait_history(base: str, span_s: float, timeout: float = 60) -> dict[str, Any]:
+    """The stats with the ring, once the ring reaches ``span_s`` seconds back."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, _, body = get(base + "/v2/dashboard/stats?history=1")
+        assert status == 200
+        doc = orjson.loads(body)
+        ring = doc["history"]
+        # Spanning far enough, and the models already in it (the ring starts before they load).
+        if ring and ring[-1]["t"] - ring[0]["t"] >= span_s and ring[-1]["models"]:
+            return doc
+        assert time.monotonic() < deadline, f"the ring spans {len(ring)} samples only"
+        time.sleep(0.2)
+
+
+def test_history_ring_keeps_the_last_window_only() -> None:
+    n = iter(range(1000))
+    ring = DashboardHistory(lambda: {"n": next(n)}, span_s=10, interval_s=0.5)
+    for _ in range(100):
+        ring.take()
+    kept = orjson.loads(ring.json())
+    assert [d["n"] for d in kept] == list(range(79, 100))  # 10 s / 0.5 s, and the newest
+    assert ring.json() is ring.json()  # joined once per snapshot
+    with pytest.raises(ValueError, match="7200 snapshots, over the limit 3600"):
+        DashboardConfig(history_s=3600, sample_interval_s=0.5)
+
+
+def test_history_ring_is_bounded_and_in_the_stats(metered_server: ServerProcess) -> None:
+    base = metered_server.base
+    doc = wait_history(base, HISTORY_S)
+    assert (doc["history_s"], doc["sample_interval_s"]) == (HISTORY_S, 0.5)
+    ring = doc["history"]
+    assert len(ring) <= HISTORY_S / 0.5 + 1  # the ring's bound: older snapshots are gone
+    assert all(a["t"] < b["t"] for a, b in pairwise(ring))
+    assert ring[-1]["t"] <= doc["t"]
+    assert {m["name"] for m in ring[-1]["models"]} == {"metered", "metered_proc"}
+    assert "history" not in stats(base)  # only when asked for
+
+
+def test_page_shows_history_cdf_and_handler_metrics(
+    metered_server: ServerProcess, tmp_path: Path
+) -> None:
+    sync_playwright = chromium()
+    base = metered_server.base
+    # The CDF counts the requests after the window's first snapshot of the model.
+    wait_history(base, 1.0)
+    for model in ("metered", "metered_proc"):
+        assert [post(f"{base}/v2/models/{model}/infer", METERED)[0] for _ in range(5)] == [200] * 5
+    # Opened late: the server's ring already reaches further back than the page lives.
+    opened_at = wait_history(base, HISTORY_S * 0.75)["t"]
+    problems: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1100})
+            page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+            page.goto(base + "/")
+            counter = 'svg[data-chart="metered_proc/1 custom aserve_handler_items"]'
+            page.wait_for_selector(counter, timeout=15_000)
+            charts = page.evaluate(_HISTORY_JS)
+            ticks = page.evaluate(_TICKS_JS, "process rss")
+            cdf_ticks = page.evaluate(_TICKS_JS, "metered/1 cdf")
+            custom_text = page.inner_text("#m-metered_proc\\/1 .custom")
+            shot = tmp_path / "dashboard-metrics.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    SCREENSHOT_COPY.parent.mkdir(exist_ok=True)
+    shutil.copyfile(shot, SCREENSHOT_COPY.with_name("dashboard-metrics.png"))
+    assert problems == []
+
+    # The time axis spans the configured window, with points from before the page opened.
+    rss = charts["process rss"]
+    assert float(rss["span"]) == HISTORY_S and ticks == [
+        "\u221220 s",
+        "\u221210 s",
+        "now",
+    ]  # minus signs
+    assert float(rss["oldest"]) < opened_at - HISTORY_S * 0.5
+    assert int(rss["samples"]) >= HISTORY_S * 0.75 / 0.5
+
+    # The CDF: every request of the window, climbing to 100%, on a latency axis.
+    for model in ("metered", "metered_proc"):
+        cdf = charts[f"{model}/1 cdf"]
+        assert int(cdf["count"]) >= 5 and float(cdf["last"]) == 1.0, cdf
+        assert re.search(r"^M[\d.]+,[\d.]+L", cdf["line"]), cdf
+    assert all(t.endswith((" ms", " s")) for t in cdf_ticks), cdf_ticks
+
+    # Handlers' counters: 2 items per request, from threads and from the worker process.
+    for model in ("metered", "metered_proc"):
+        items = charts[f"{model}/1 custom aserve_handler_items"]
+        assert float(items["total"]) >= 10, items
+        requests = charts[f"{model}/1 custom aserve_handler_requests"]
+        assert float(requests["total"]) >= 5, requests
+    assert "aserve_handler_items" in custom_text and "total" in custom_text
+    status, _, body = get(base + "/metrics")
+    assert status == 200 and b'aserve_handler_items_total{model="metered_proc"' in body
+
+
+_HISTORY_JS = """() => Object.fromEntries([...document.querySelectorAll('svg[data-chart]')].map(
+    e => [e.dataset.chart, {...e.dataset, line: (e.querySelector('path.line') || {}).getAttribute?.('d') || ''}]))"""
+_TICKS_JS = """(id) => [...document.querySelector(`svg[data-chart="${id}"]`).closest('.card')
+    .querySelectorAll('.axis span')].map(e => e.textContent)"""

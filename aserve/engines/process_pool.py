@@ -242,13 +242,21 @@ class ProcessPool:
         if kind == "fatal":
             child.fatal = msg[1]
         elif kind == "ready":
+            self._take_metrics(msg, 1)
             if not ready.done():
                 ready.set_result(None)
         elif kind == "load_error":
             if not ready.done():
                 ready.set_exception(WorkerError(msg[1]))
         else:
+            self._take_metrics(msg, 4 if kind == "ok" else 2)
             self._answer(child, msg)
+
+    def _take_metrics(self, msg: list[Any], at: int) -> None:
+        """A handler's custom metrics updates, sent after a message's own fields."""
+        metrics = getattr(self.engine, "metrics", None)
+        if len(msg) > at and msg[at] is not None and metrics is not None:
+            metrics.apply(msg[at])
 
     def _answer(self, child: _Child, msg: list[Any]) -> None:
         job, child.job = child.job, None
@@ -354,7 +362,7 @@ def worker_main(conn: Connection, spec: WorkerSpec, index: int) -> None:
     except Exception as exc:
         conn.send_bytes(msgpack.packb(("load_error", f"{type(exc).__name__}: {exc}")))
         return
-    conn.send_bytes(msgpack.packb(("ready",)))
+    conn.send_bytes(msgpack.packb(("ready", _drain(engine))))
     try:
         _serve(conn, engine, instance, releaser)
     except (EOFError, OSError):
@@ -389,12 +397,18 @@ def _serve(conn: Connection, engine: Engine, instance: Any, releaser: CacheRelea
             outputs = engine.run(inputs, instance)
             t2 = perf()
             engine.check_outputs(outputs, size)
-            answer = msgpack.packb(("ok", pack_arrays(outputs), t1 - t0, t2 - t1))
+            answer = msgpack.packb(("ok", pack_arrays(outputs), t1 - t0, t2 - t1, _drain(engine)))
         except Exception as exc:  # this batch fails; the child serves the next
-            answer = msgpack.packb(("error", str(exc) or type(exc).__name__))
+            answer = msgpack.packb(("error", str(exc) or type(exc).__name__, _drain(engine)))
         except BaseException as exc:  # SystemExit & co.: the child ends; say why first
             conn.send_bytes(msgpack.packb(("fatal", f"{type(exc).__name__}: {exc}")))
             raise
         conn.send_bytes(answer)
         if releaser is not None:
             releaser.maybe()  # after answering: the release is off the batch's latency
+
+
+def _drain(engine: Engine) -> Any:
+    """What a handler's custom metrics changed since the last answer (None: nothing)."""
+    metrics = getattr(engine, "metrics", None)
+    return None if metrics is None else metrics.drain()

@@ -58,6 +58,7 @@ import orjson
 
 from aserve.config import ModelConfig, TensorSpec
 from aserve.engines.base import Engine
+from aserve.handler_metrics import MetricSet
 
 REQUIRED_METHODS = ("load", "preprocess", "infer", "postprocess")
 RAW_METHOD = "preprocess_raw"  # a handler with it serves /predictions
@@ -87,6 +88,8 @@ class HandlerContext:
     # What this instance of the handler will be asked to do: "both" (every method),
     # "front" (preprocess/postprocess, in the server) or "infer" (in a worker process).
     role: str = "both"
+    # The model's custom metrics (counter/gauge/histogram), usable from every method.
+    metrics: MetricSet | None = None
 
 
 @dataclass(frozen=True)
@@ -223,6 +226,8 @@ class PythonHandlerEngine(Engine):
         super().__init__(config, model_path)  # type: ignore[arg-type]
         self.base_dir = base_dir
         self.handler: Any = None
+        # A worker process's set only collects what changed, for the batch answer.
+        self.metrics = MetricSet(config.name, config.version, delta=False)
 
     def load(self) -> None:
         self._load("both")
@@ -231,6 +236,7 @@ class PythonHandlerEngine(Engine):
         self._load("front")
 
     def load_worker(self) -> None:
+        self.metrics = MetricSet(self.config.name, self.config.version, delta=True)
         self._load("infer")
 
     def _load(self, role: str) -> None:
@@ -240,6 +246,7 @@ class PythonHandlerEngine(Engine):
         context = HandlerContext(
             c.name, c.version, c.device, c.instances, self.base_dir,
             self.model_path, dict(c.parameters), list(c.inputs), list(c.outputs), role,
+            self.metrics,
         )  # fmt: skip
         handler = cls()
         handler.load(context)

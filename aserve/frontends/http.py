@@ -179,7 +179,7 @@ class HttpFrontend:
         add_openapi_route(route)
         from aserve.frontends.http_dashboard import add_dashboard_routes  # it imports this module
 
-        add_dashboard_routes(route, self._server)
+        add_dashboard_routes(route, self._server, self._app)
         r.add_route("*", "/{tail:.*}", self._not_found)
 
     async def _method_not_allowed(self, request: web.Request) -> web.Response:

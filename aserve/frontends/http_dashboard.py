@@ -8,11 +8,13 @@ The stats are cumulative counters and current gauges, stamped with the
 server's monotonic clock; the page diffs its successive polls into rates
 (requests/s, tokens/s, CPU), means (batch size) and windowed percentiles
 (latency, from histogram bucket deltas, as Prometheus' ``histogram_quantile``
-does). The server keeps no ring of recent samples: nothing runs while nobody
-watches, there is no background task to own, any number of pages can poll,
-and one poll costs a walk over the models and their request counters
-(microseconds). What that gives up: a page shows history from when it was
-opened, not before.
+does) and a latency CDF over the charts' window. One poll costs a walk over
+the models and their request counters (microseconds). ``?history=1`` adds
+the server's ring of past snapshots (:mod:`aserve.frontends.dashboard_history`),
+which the page asks for once, so that it shows the last ``dashboard.history_s``
+seconds from the moment it opens. A python handler's custom metrics come
+summed for the charts (a counter's total, a histogram's buckets over every
+label value, a gauge's first three series); ``/metrics`` has every series.
 
 Auth: ``/`` carries no data, and the stats say no more than ``/metrics``;
 both are in ``auth.open_paths`` by default, as ``/metrics`` is. An operator
@@ -29,10 +31,13 @@ from collections.abc import Callable
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from aiohttp import web
 
 from aserve import __version__
+from aserve.frontends.dashboard_history import DashboardHistory
 from aserve.frontends.http import json_response
+from aserve.handler_metrics import MetricSet
 from aserve.metrics import OK
 from aserve.stats import LATENCY_BUCKETS_S
 
@@ -43,10 +48,16 @@ Route = Callable[[str, str, Any], None]
 
 PAGE_PATH = "/"
 STATS_PATH = "/v2/dashboard/stats"
+GAUGE_SERIES = 3  # a gauge's series the page draws (it has three colours)
 
 
-def add_dashboard_routes(route: Route, server: Server) -> None:
+def add_dashboard_routes(route: Route, server: Server, app: web.Application) -> None:
     page = resources.files("aserve.frontends").joinpath("dashboard.html").read_bytes()
+    cfg = server.config.dashboard
+    history = DashboardHistory(
+        lambda: dashboard_stats(server), cfg.history_s, cfg.sample_interval_s
+    )
+    app.cleanup_ctx.append(history.lifetime)
 
     async def dashboard(request: web.Request) -> web.Response:
         return web.Response(
@@ -62,7 +73,12 @@ def add_dashboard_routes(route: Route, server: Server) -> None:
         )
 
     async def stats(request: web.Request) -> web.Response:
-        return json_response(dashboard_stats(server))
+        doc = dashboard_stats(server)
+        if request.query.get("history") not in ("1", "true"):
+            return json_response(doc)
+        # The ring is JSON already: spliced in, not decoded and encoded again.
+        body = orjson.dumps(doc)[:-1] + b',"history":' + history.json() + b"}"
+        return web.Response(body=body, content_type="application/json")
 
     route("GET", PAGE_PATH, dashboard)
     route("GET", STATS_PATH, stats)
@@ -102,6 +118,7 @@ def dashboard_stats(server: Server) -> dict[str, Any]:
                 "running": doc["running_batch_count"],
                 "generated_tokens": None if gen is None else gen["generated_tokens"],
                 "running_sequences": None if gen is None else gen["running_sequence_count"],
+                "custom": custom_metrics(getattr(rt, "handler_metrics", None)),
             }
         )
     cpu_seconds, rss_bytes, rss_is_peak = process_usage()
@@ -119,6 +136,8 @@ def dashboard_stats(server: Server) -> dict[str, Any]:
         "t": time.monotonic(),  # what the page diffs against: rates use the server's clock
         "time": time.time(),
         "latency_bounds_s": LATENCY_BUCKETS_S,
+        "history_s": server.config.dashboard.history_s,
+        "sample_interval_s": server.config.dashboard.sample_interval_s,
         "models": models,
         "process": {
             "cpu_seconds": cpu_seconds,
@@ -138,6 +157,30 @@ def dashboard_stats(server: Server) -> dict[str, Any]:
             for index, uuid, util, used, size in server.metrics.nvml.samples
         ],
     }
+
+
+def custom_metrics(metric_set: MetricSet | None) -> list[dict[str, Any]]:
+    """A handler's metrics as the page charts them: bounded, whatever the label values."""
+    if metric_set is None:
+        return []
+    out = []
+    for doc in metric_set.snapshot():
+        series = doc["series"]
+        entry: dict[str, Any] = {
+            "name": doc["name"], "kind": doc["kind"], "help": doc["help"], "series": len(series),
+        }  # fmt: skip
+        if doc["kind"] == "counter":
+            entry["total"] = sum(v for _, v in series)
+        elif doc["kind"] == "gauge":
+            entry["values"] = [[",".join(values), v] for values, v in series[:GAUGE_SERIES]]
+        else:
+            counts = [0] * (len(doc["buckets"]) + 1)
+            for _, (c, _) in series:
+                counts = [a + b for a, b in zip(counts, c, strict=True)]
+            entry["bounds"] = doc["buckets"]
+            entry["counts"] = counts
+        out.append(entry)
+    return out
 
 
 def process_usage() -> tuple[float, int | None, bool]:

@@ -40,6 +40,7 @@ from aserve.errors import (
     InvalidArgument,
     Unavailable,
 )
+from aserve.handler_metrics import MetricSet
 from aserve.loop.model import ModelRuntime
 
 # The last part of a request's time budget that its answer needs to reach the client.
@@ -71,6 +72,11 @@ class HandlerRuntime(ModelRuntime):
     def _create_engine(self, path: Path | None) -> Engine:
         self._engine = PythonHandlerEngine(self.config, path, self._base_dir)
         return self._engine
+
+    @property
+    def handler_metrics(self) -> MetricSet | None:
+        """The handler's custom metrics (``context.metrics``), once it is loaded."""
+        return None if self._engine is None else self._engine.metrics
 
     @property
     def busy(self) -> bool:
