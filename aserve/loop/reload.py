@@ -43,7 +43,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("aserve.reload")
 
 # Top-level config keys that need a restart: listeners, and limits the listeners were built with.
-RESTART_KEYS = ("http", "grpc", "limits", "auth", "tls", "drain_timeout_s", "gpu", "logging")
+RESTART_KEYS = (
+    "http",
+    "grpc",
+    "limits",
+    "auth",
+    "tls",
+    "drain_grace_s",
+    "drain_timeout_s",
+    "gpu",
+    "logging",
+)
 
 
 @dataclass(frozen=True)
