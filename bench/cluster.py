@@ -203,6 +203,7 @@ backend replicas
     default-server check inter {CHECK_INTER_MS}ms fall {CHECK_FALL} rise {CHECK_RISE}
 {servers}
 """)
+        self.last_before: dict[str, dict[str, str]] = {}
         self.log_path = root / "haproxy.log"
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
@@ -239,12 +240,15 @@ backend replicas
         return self.stats()[name]["status"]
 
     def wait_status(self, name: str, want: str, timeout_s: float = STEP_TIMEOUT_S) -> float:
-        """Poll until HAProxy shows ``name`` as ``want`` (UP/DOWN); returns the seconds it took."""
+        """Poll until HAProxy shows ``name`` as ``want`` (UP/DOWN); returns the seconds it took.
+        ``self.last_before[name]`` keeps the last row that showed another status."""
         t0 = time.monotonic()
         while True:
-            status = self.status(name)
+            row = self.stats()[name]
+            status = row["status"]
             if status == want:
                 return time.monotonic() - t0
+            self.last_before[name] = row
             if time.monotonic() - t0 > timeout_s:
                 raise TimeoutError(f"{name} stayed {status}, not {want}")
             time.sleep(0.01)
@@ -387,7 +391,8 @@ async def scale(cluster: Cluster, load: SteadyLoad, steady_s: float) -> EventRes
     spare.start()
     up_s = await _off_loop(cluster.haproxy.wait_status, spare.name, "UP")
     cluster.active.append(spare)
-    at_up = int(cluster.haproxy.stats()[spare.name]["stot"])
+    # Requests HAProxy sent it while it was not UP yet: up to its last row that said so.
+    at_up = int(cluster.haproxy.last_before.get(spare.name, {}).get("stot", before))
     await asyncio.sleep(steady_s)
     after = int(cluster.haproxy.stats()[spare.name]["stot"])
     notes = {
@@ -437,9 +442,10 @@ async def kill(cluster: Cluster, load: SteadyLoad, steady_s: float) -> EventResu
     notes = {
         "down_after_s": round(down_s, 2),
         "failed_until_down": failed_until_down,
-        # In flight on the victim (HAProxy's 502, or a lost connection), and sent
-        # to it until HAProxy saw it DOWN (connect refused: HAProxy's 503).
-        "in_flight_failed": failed_until_down - refused,
+        # Requests sent to it until HAProxy saw it DOWN (connect refused:
+        # HAProxy's 503), and the rest: 502s and lost connections (in flight
+        # on the victim; the load generator does not tell them apart further).
+        "other_failed": failed_until_down - refused,
         "refused_until_down": refused,
         "restarted_up_after_s": round(up_s, 2),
     }
