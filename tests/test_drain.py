@@ -271,3 +271,34 @@ def test_negative_grace_is_refused(model_dir, tmp_path, grace):
 
     with pytest.raises(ConfigError, match="drain_grace_s"):
         load_config(_config(model_dir, tmp_path, drain_grace_s=grace))
+
+
+def test_a_stream_running_at_drain_timeout_ends_with_an_error_event(decoder_models, tmp_path):
+    import orjson
+    from helpers import frozen
+
+    gpt2 = next(m for m in decoder_models["models"] if m["name"] == "gpt2")
+    server = start_server(write_config(tmp_path, {"models": [gpt2], "drain_timeout_s": 1}))
+
+    async def scenario() -> list[Any]:
+        body = {"model": "gpt2", "prompt": "Hi", "max_tokens": 100, "stream": True}
+        body["ignore_eos"] = True
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.base + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.content.readuntil(b"\n\n")  # the stream is running
+                (child,) = server.spawned_children()
+                # Its step process held stopped: the stream outlasts drain_timeout_s.
+                with frozen(child.pid):
+                    server.proc.send_signal(signal.SIGTERM)
+                    events = (await asyncio.wait_for(r.content.read(), 30)).split(b"\n\n")
+        return [orjson.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+
+    try:
+        docs = asyncio.run(scenario())
+        assert server.proc.wait(60) == 0
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert docs[-1]["error"]["message"] == "model 'gpt2/1' is unloading", docs[-1]
+    assert "requests still in flight after drain_timeout_s (1 s)" in server.log_text()

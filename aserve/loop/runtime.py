@@ -158,10 +158,10 @@ class Server:
         await self.reloader.stop_watching()
         if listening:
             await self.drain()
-        stopping = [self.http.stop()]
-        if self.grpc is not None:
-            stopping.append(self.grpc.stop(CUT_OFF_S))
-        await asyncio.gather(*stopping)
+            stopping = [self.http.stop()]
+            if self.grpc is not None:
+                stopping.append(self.grpc.stop(CUT_OFF_S))
+            await asyncio.gather(*stopping)
         await self.reloader.finish_retiring()
         await self._unload_all()
         await self.metrics.stop()
