@@ -443,7 +443,11 @@ class ServerConfig(_Frozen):
     limits: LimitsConfig = LimitsConfig()
     auth: AuthConfig | None = None  # absent: no API keys asked
     tls: TlsConfig | None = None  # absent: plain HTTP and gRPC
+    drain_grace_s: Annotated[float, Field(ge=0)] = 5.0
+    """After SIGTERM: how long the server, already not ready, serves on before
+    its listeners close (load balancers take it out of rotation meanwhile)."""
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
+    """Then: how long the requests in flight get to be answered."""
     gpu: GpuConfig = GpuConfig()
     logging: LoggingConfig = LoggingConfig()
     dashboard: DashboardConfig = DashboardConfig()

@@ -102,8 +102,10 @@ def model_entry(name: str, path: str, inputs: list, outputs: list, **extra: Any)
 
 
 def write_config(folder: Path, config: dict[str, Any], name: str = "config.json") -> Path:
+    """Write ``config`` as JSON; with ``drain_grace_s`` 0 unless it says otherwise,
+    so that stopping a test server does not wait out the default grace period."""
     path = folder / name
-    path.write_text(json.dumps(config, indent=2))
+    path.write_text(json.dumps({"drain_grace_s": 0, **config}, indent=2))
     return path
 
 

@@ -18,8 +18,9 @@ HANDLERS = Path(__file__).parent / "handlers"
 
 
 def rewrite_config(path: Path, config: dict[str, Any]) -> str:
-    """Replace the config file in one step (write beside, rename); returns its hash."""
-    raw = json.dumps(config, indent=2).encode()
+    """Replace the config file in one step (write beside, rename); returns its hash.
+    ``drain_grace_s`` is 0 unless ``config`` says otherwise (see conftest.write_config)."""
+    raw = json.dumps({"drain_grace_s": 0, **config}, indent=2).encode()
     return rewrite_raw(path, raw)
 
 

@@ -411,7 +411,6 @@ class GrpcFrontend:
         assert server.config.grpc is not None
         self._server = server
         self._config = server.config.grpc
-        self._grace_s = server.config.drain_timeout_s
         self.health = Health()
         self._grpc: grpc.aio.Server | None = None
         self.inflight = 0  # inference calls (unary and streams) being served
@@ -421,6 +420,7 @@ class GrpcFrontend:
         self.addresses: list[tuple[str, int]] = []
         self._watcher: asyncio.Task[None] | None = None
         self._reported_readiness: tuple[tuple[str, bool], ...] = ()
+        self._graceful: asyncio.Task[None] | None = None  # the stop close_listeners began
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -494,25 +494,41 @@ class GrpcFrontend:
             if self._readiness() != self._reported_readiness:
                 await self.update_health()
 
-    async def stop(self) -> None:
-        """Drain: health turns NOT_SERVING, new calls are refused, in-flight
-        inference finishes (up to the drain timeout), then the rest is cancelled."""
+    async def begin_drain(self) -> None:
+        """Health turns NOT_SERVING for good; calls are still served as before."""
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
         await self.health.draining()
+
+    def close_listeners(self, grace_s: float) -> None:
+        """Stop accepting connections and calls (GOAWAY); calls in flight go on
+        for up to ``grace_s``, then they are cancelled."""
+        if self._grpc is not None and self._graceful is None:
+            self._graceful = asyncio.create_task(self._grpc.stop(grace_s))
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until no inference call is in flight (True), or ``timeout_s`` passed."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def stop(self, cut_off_s: float = 0.0) -> None:
+        """End what is left: inference calls still running after a drain get
+        ``cut_off_s`` to answer (a stream its final error), then everything is
+        cancelled. (A graceful stop would also wait for health watches and
+        reflection streams, which never end by themselves.)"""
+        await self.begin_drain()
         if self._grpc is None:
             return
-        graceful = asyncio.create_task(self._grpc.stop(self._grace_s))
-        # A graceful stop also waits for health watches and reflection
-        # streams, which never end by themselves: once inference is done,
-        # cancel what is left instead of waiting out the whole grace period.
-        try:
-            await asyncio.wait_for(self._idle.wait(), self._grace_s)
-        except asyncio.TimeoutError:
-            pass
+        if self._graceful is not None:
+            await self.drain(cut_off_s)
         await self._grpc.stop(None)
-        await graceful
+        if self._graceful is not None:
+            await self._graceful
+            self._graceful = None
         self._grpc = None
 
     def check_capacity(self) -> None:

@@ -23,6 +23,7 @@ from aserve.codecs.v2 import decode_request, encode_response
 from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
 from aserve.frontends.auth import http_middleware, server_ssl_context
+from aserve.frontends.http_drain import IdleCloser, take_queued
 from aserve.frontends.http_limits import ConnectionGuard, accept_error_handler, pending_bound
 from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, inference_route
 from aserve.frontends.model_config import triton_config_json
@@ -49,6 +50,10 @@ _INFLATE_WBITS = {
 # Deflate inflates at most ~1032x: a body past a kilobyte may inflate to megabytes
 # (up to max_request_bytes), so it is inflated on a thread (zlib releases the GIL).
 _INFLATE_ON_LOOP_BYTES = 1024
+_DRAIN_POLL_S = 0.05  # how often a drain looks for idle connections to close
+# After drain_timeout_s, what is still running gets this long to answer (a
+# generation stream its final error event) before it is cancelled.
+CUT_OFF_S = 2.0
 MAX_BODY_KEY = web.AppKey("aserve_max_request_bytes", int)
 MAX_TIMEOUT_KEY = web.AppKey("aserve_max_timeout_s", float)  # limits.max_timeout_ms, in s
 
@@ -85,19 +90,23 @@ class HttpFrontend:
         self._app = web.Application(client_max_size=self._max_body, middlewares=middlewares)
         self._app[MAX_BODY_KEY] = self._max_body
         self._app[MAX_TIMEOUT_KEY] = self._max_timeout_s
+        self._app.on_response_prepare.append(self._on_response_prepare)
         self._add_routes()
         self._runner = web.AppRunner(
             self._app,
             handle_signals=False,
             access_log=None,  # per-request logging costs more than a tiny model
             handler_cancellation=True,  # a client that goes away cancels its handler
-            shutdown_timeout=cfg.drain_timeout_s,
+            # drain() has waited for the requests in flight already.
+            shutdown_timeout=CUT_OFF_S,
             auto_decompress=False,  # read_body inflates: errors answer JSON, the limit holds
             # An idle connection is closed after this; a connection that has not
             # sent its first request yet, much sooner (ConnectionGuard).
             keepalive_timeout=cfg.http.keepalive_timeout_s,
         )
         self._site: web.TCPSite | None = None
+        self._ssl_context: Any = None
+        self._closing = False  # the listeners are closed: answers say Connection: close
         self.connections: ConnectionGuard | None = None
         self.inflight = 0
         self.addresses: list[tuple[str, int]] = []
@@ -123,6 +132,7 @@ class HttpFrontend:
         loop.set_exception_handler(accept_error_handler(loop.get_exception_handler()))
         tls = self._server.config.tls
         ssl_context = None if tls is None else server_ssl_context(tls, self._server.base_dir)
+        self._ssl_context = ssl_context
         self._site = web.TCPSite(
             self._runner, cfg.host, cfg.port, reuse_address=True, ssl_context=ssl_context
         )
@@ -134,9 +144,58 @@ class HttpFrontend:
             scheme = "http" if ssl_context is None else "https"
             log.info("HTTP (KServe V2 REST) listening on %s://%s:%d", scheme, host, port)
 
+    async def close_listeners(self) -> None:
+        """Stop accepting; from now on every answer closes its connection.
+
+        The connections already queued in the listen backlog are accepted and
+        served first: their clients may have sent a request (see http_drain).
+        """
+        self._closing = True
+        site = self._site
+        if site is None:
+            return
+        listener = site._server
+        queued = [] if listener is None else [c for s in listener.sockets for c in take_queued(s)]
+        await site.stop()  # closes the listening sockets before its first await
+        self._site = None
+        if queued:
+            await asyncio.gather(*(self._serve_accepted(sock) for sock in queued))
+
+    async def _serve_accepted(self, sock: Any) -> None:
+        assert self._runner.server is not None
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.connect_accepted_socket(self._runner.server, sock, ssl=self._ssl_context)
+        except OSError:
+            sock.close()  # the client left meanwhile, or its TLS handshake failed
+
+    async def drain(self, timeout_s: float) -> bool:
+        """After :meth:`close_listeners`: wait until every connection has closed,
+        closing idle ones when no client can be sending on them. False when
+        ``timeout_s`` passed first."""
+        server = self._runner.server
+        if server is None:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        closer = IdleCloser()
+        while server.connections:
+            now = loop.time()
+            if now >= deadline:
+                return False
+            closer.sweep(server.connections, now)
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return True
+
     async def stop(self) -> None:
-        """Stop listening, let in-flight requests finish (up to the drain timeout), close."""
+        """Close what is left: requests still running get ``CUT_OFF_S`` to answer."""
+        self._closing = True
         await self._runner.cleanup()
+
+    async def _on_response_prepare(self, request: web.Request, response: Any) -> None:
+        if self._closing:
+            response.force_close()  # aiohttp closes the connection after this answer
+            response.headers["Connection"] = "close"  # headers are made before this hook runs
 
     # --- routes ---------------------------------------------------------------
 

@@ -44,7 +44,8 @@ log = logging.getLogger("aserve.reload")
 
 # Top-level config keys that need a restart: listeners, and limits the listeners were built with.
 RESTART_KEYS = (
-    "http", "grpc", "limits", "auth", "tls", "drain_timeout_s", "gpu", "logging", "dashboard",
+    "http", "grpc", "limits", "auth", "tls", "drain_grace_s", "drain_timeout_s", "gpu",
+    "logging", "dashboard",
 )  # fmt: skip
 
 

@@ -1,10 +1,11 @@
 """The server's lifecycle: starting -> ready -> draining -> stopped.
 
 Startup binds the listeners first, then loads and warms every model before
-readiness turns true. SIGINT or
-SIGTERM starts a graceful stop: readiness turns false, the listeners close,
-in-flight requests finish (bounded by ``drain_timeout_s``), then the models
-unload in reverse order of loading. A second signal skips the wait.
+readiness turns true. SIGINT or SIGTERM starts a graceful stop (see
+:meth:`Server.drain`): readiness turns false on HTTP and gRPC, the server
+serves on for ``drain_grace_s``, the listeners close, every request read is
+answered (bounded by ``drain_timeout_s``), then the models unload in reverse
+order of loading. A second signal skips the wait.
 
 While ready, the config file is watched and SIGHUP re-reads it; changes are
 applied by :class:`aserve.loop.reload.Reloader` without a restart.
@@ -23,8 +24,9 @@ from aserve.config import ServerConfig
 from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit, cuda_indices, gpu_present
 from aserve.frontends.auth import ApiKeys, load_api_keys
 from aserve.frontends.grpc import GrpcFrontend
-from aserve.frontends.http import HttpFrontend
+from aserve.frontends.http import CUT_OFF_S, HttpFrontend
 from aserve.loop.fd_limit import raise_open_file_limit
+from aserve.loop.generation import GenerationRuntime
 from aserve.loop.limits import Admission
 from aserve.loop.registration import Registration
 from aserve.loop.registry import ModelRegistry
@@ -153,15 +155,15 @@ class Server:
         if self.state is ServerState.STOPPED:
             return
         listening = self._listening  # from the start: see _listen
-        self.state = ServerState.DRAINING
+        self.state = ServerState.DRAINING  # /v2/health/ready answers 503 from here
+        if listening and self.grpc is not None:
+            await self.grpc.begin_drain()  # and gRPC health NOT_SERVING
         await self.reloader.stop_watching()
         if listening:
-            # Each frontend closes its listeners, then waits for its in-flight
-            # calls (their requests are still being batched: models stay
-            # loaded until after). gRPC health turns NOT_SERVING first thing.
+            await self.drain()
             stopping = [self.http.stop()]
             if self.grpc is not None:
-                stopping.append(self.grpc.stop())
+                stopping.append(self.grpc.stop(CUT_OFF_S))
             await asyncio.gather(*stopping)
         await self.reloader.finish_retiring()
         await self._unload_all()
@@ -170,7 +172,50 @@ class Server:
             self._cache_releaser.cancel()
         self.state = ServerState.STOPPED
         await self.registration.close()
-        log.info("stopped")
+        log.info("stopped; requests answered: %s", self._answered() or "none")
+
+    async def drain(self) -> None:
+        """Leave without failing a request the server has read.
+
+        1. (In :meth:`stop`.) Readiness turns false at once, on HTTP and gRPC
+           health alike.
+        2. For ``drain_grace_s`` everything is served as before, so that load
+           balancers and Kubernetes endpoints take the server out of rotation
+           before it stops accepting.
+        3. The listeners close (gRPC sends GOAWAY); HTTP answers say
+           ``Connection: close`` and idle connections close when no client can
+           be sending on them (see ``aserve/frontends/http_drain.py``).
+        4. Requests in flight are answered, up to ``drain_timeout_s``. Past it,
+           generation streams end with a final error event and what still runs
+           is cancelled ``CUT_OFF_S`` later. Models stay loaded until after.
+        """
+        grace = self.config.drain_grace_s
+        if grace > 0:
+            log.info("not ready; serving on for drain_grace_s (%g s)", grace)
+            await asyncio.sleep(grace)
+        timeout = self.config.drain_timeout_s
+        await self.http.close_listeners()
+        drains = [self.http.drain(timeout)]
+        if self.grpc is not None:
+            self.grpc.close_listeners(timeout + CUT_OFF_S)
+            drains.append(self.grpc.drain(timeout))
+        log.info("listeners closed; answering the requests in flight")
+        if not all(await asyncio.gather(*drains)):
+            log.warning(
+                "requests still in flight after drain_timeout_s (%g s): generation streams "
+                "end with an error, the rest is cancelled in %g s",
+                timeout, CUT_OFF_S,
+            )  # fmt: skip
+            for rt in self.registry:
+                if isinstance(rt, GenerationRuntime) and rt.batcher is not None:
+                    rt.batcher.close()  # each stream's handler sends its error and ends
+
+    def _answered(self) -> str:
+        """The requests the frontends answered since start, by protocol and status."""
+        totals: dict[tuple[str, str], int] = {}
+        for (_, _, protocol, status), n in self.metrics.requests.counts.items():
+            totals[protocol, status] = totals.get((protocol, status), 0) + n
+        return ", ".join(f"{p} {s} {n}" for (p, s), n in sorted(totals.items()))
 
     def _apply_gpu_settings(self) -> None:
         """The ``"gpu"`` block, for the devices the configured models use. (A
