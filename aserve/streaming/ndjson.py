@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from aserve.logs import REQUEST_ID_HEADER, REQUEST_ID_KEY
+from aserve.streaming.framed import FramedStream
 
 MEDIA_TYPE = "application/x-ndjson"
 HEADERS = {
@@ -31,33 +31,8 @@ def line(doc: Any) -> bytes:
     return orjson.dumps(doc, option=orjson.OPT_APPEND_NEWLINE)
 
 
-class NdjsonResponse:
-    """An ``application/x-ndjson`` response, written line by line."""
+class NdjsonResponse(FramedStream):
+    """An ``application/x-ndjson`` response, written line by line (no sentinel)."""
 
     def __init__(self, request: web.Request) -> None:
-        self._request = request
-        headers = HEADERS
-        rid = request.get(REQUEST_ID_KEY)
-        if rid is not None:
-            headers = {**HEADERS, REQUEST_ID_HEADER: rid}
-        self.response = web.StreamResponse(status=200, headers=headers)
-        self.started = False
-
-    async def start(self) -> None:
-        """Send the status and headers: from here on the status is 200."""
-        self.response.enable_chunked_encoding()
-        await self.response.prepare(self._request)
-        self.started = True
-
-    async def send(self, doc: Any) -> None:
-        await self.response.write(line(doc))
-
-    async def finish(self) -> web.StreamResponse:
-        """End the body."""
-        await self.response.write_eof()
-        return self.response
-
-    async def fail(self, error_doc: Any) -> web.StreamResponse:
-        """A failure after the stream started: one error line, then the end."""
-        await self.response.write(line(error_doc))
-        return await self.finish()
+        super().__init__(request, HEADERS, line)

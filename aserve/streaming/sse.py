@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from aserve.logs import REQUEST_ID_HEADER, REQUEST_ID_KEY
+from aserve.streaming.framed import FramedStream
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {
@@ -37,41 +37,11 @@ def event(doc: Any) -> bytes:
     return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
-class SseResponse:
+class SseResponse(FramedStream):
     """An ``text/event-stream`` response, written event by event.
 
     ``sentinel`` (e.g. :data:`DONE`) is written by :meth:`finish`, not by :meth:`fail`.
     """
 
     def __init__(self, request: web.Request, sentinel: bytes = b"") -> None:
-        self._request = request
-        self._sentinel = sentinel
-        headers = HEADERS
-        rid = request.get(REQUEST_ID_KEY)
-        if rid is not None:
-            headers = {**HEADERS, REQUEST_ID_HEADER: rid}
-        self.response = web.StreamResponse(status=200, headers=headers)
-        self.started = False
-
-    async def start(self) -> None:
-        """Send the status and headers: from here on the status is 200."""
-        self.response.enable_chunked_encoding()
-        await self.response.prepare(self._request)
-        self.started = True
-
-    async def send(self, doc: Any) -> None:
-        await self.response.write(event(doc))
-
-    async def finish(self) -> web.StreamResponse:
-        """Write the sentinel, if any, and end the body."""
-        return await self._end(self._sentinel)
-
-    async def fail(self, error_doc: Any) -> web.StreamResponse:
-        """A failure after the stream started: one error event, then the end."""
-        return await self._end(event(error_doc))
-
-    async def _end(self, last: bytes) -> web.StreamResponse:
-        if last:
-            await self.response.write(last)
-        await self.response.write_eof()
-        return self.response
+        super().__init__(request, HEADERS, event, sentinel)
