@@ -29,11 +29,12 @@ def test_rolling_restart_fails_nothing_and_a_kill_fails_only_its_requests(tmp_pa
     assert rolling.failed == 0, rolling
     assert rolling.notes["exit_codes"] == [0, 0], rolling
     assert rolling.requests > 0, rolling
-    # SIGKILL: the requests in flight on it (one per connection at most) fail
-    # (HAProxy answers 502); HAProxy answers 503 for those it routes there
+    # SIGKILL: the requests in flight on it fail (HAProxy answers 502, or the
+    # connection is lost), and HAProxy answers 503 for those it routes there
     # until its checks mark it DOWN (connect refused, retries 0: none is
-    # retried). Nothing fails after that, restart included.
-    in_flight = kill.failed - kill.statuses.get(503, 0)
+    # retried). How many is the bench's to report, not a bound here: the lost
+    # connections also count client connections HAProxy closed after a 503,
+    # which the load generator reuses (more of them on a slower machine).
+    # Nothing fails after DOWN, restart included.
     assert set(kill.statuses) <= {502, 503}, kill
-    assert in_flight <= CONCURRENCY, kill
     assert kill.failed == kill.notes["failed_until_down"], kill
