@@ -110,6 +110,41 @@ def _content_length(head: bytes) -> int:
     return int(head[i + 15 : j if j >= 0 else len(head)])
 
 
+class ResponseFramer:
+    """Cuts whole HTTP/1.1 responses (head and Content-Length body) out of the bytes
+    a connection receives, for a client with one request in flight on it."""
+
+    __slots__ = ("_body_at", "_buf", "_need", "_status")
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._need = -1  # bytes of the whole response, once its head is parsed
+        self._body_at = 0
+        self._status = b""
+
+    def feed(self, data: bytes) -> tuple[bytes, bytes, int] | None:
+        """``(status, body, extra)`` once a response is complete (``extra``: bytes
+        received past it), else None; a head without Content-Length raises
+        :class:`ProtocolError`."""
+        buf = self._buf + data if self._buf else data
+        if self._need < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                self._buf = buf
+                return None
+            self._status = buf[9:12]
+            self._body_at = end + 4
+            try:
+                self._need = end + 4 + _content_length(buf[:end])
+            except ValueError as exc:
+                raise ProtocolError(f"bad Content-Length: {exc}") from None
+        if len(buf) < self._need:
+            self._buf = buf
+            return None
+        need, self._need, self._buf = self._need, -1, b""
+        return self._status, buf[self._body_at : need], len(buf) - need
+
+
 class _Window:
     """What a run records; shared by its connections (all on one loop)."""
 
@@ -169,10 +204,7 @@ class _Connection(asyncio.Protocol):
         self._on_lost = on_lost
         self._once = once
         self._transport: asyncio.Transport | None = None
-        self._buf = b""
-        self._need = -1  # bytes of the whole response, once its head is parsed
-        self._body_at = 0
-        self._status = b""
+        self._framer = ResponseFramer()
         self._sent = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -186,39 +218,30 @@ class _Connection(asyncio.Protocol):
         self._transport.write(self._request)
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf + data if self._buf else data
-        if self._need < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                self._buf = buf
-                return
-            self._status = buf[9:12]
-            self._body_at = end + 4
-            try:
-                self._need = end + 4 + _content_length(buf[:end])
-            except (ProtocolError, ValueError) as exc:
-                self._fail(exc)
-                return
-        if len(buf) < self._need:
-            self._buf = buf
+        try:
+            answer = self._framer.feed(data)
+        except ProtocolError as exc:
+            self._fail(exc)
+            return
+        if answer is None:
             return
         now = _perf_ns()
-        need, self._need, self._buf = self._need, -1, b""
+        status, body, extra = answer
         window = self._window
         if self._once is not None:
             if not self._once.done():
-                self._once.set_result((int(self._status), buf[self._body_at : need]))
+                self._once.set_result((int(status), body))
             return
         if window.recording:
-            if self._status == b"200":
+            if status == b"200":
                 window.latencies_ns.append(now - self._sent)
             else:
                 window.errors += 1
-                code = int(self._status)
+                code = int(status)
                 window.statuses[code] = window.statuses.get(code, 0) + 1
-        if len(buf) != need:
+        if extra:
             # One request in flight means nothing may follow its response.
-            self._fail(ProtocolError(f"{len(buf) - need} unexpected bytes after a response"))
+            self._fail(ProtocolError(f"{extra} unexpected bytes after a response"))
         elif not window.stopping:
             self._send()
 
@@ -415,9 +438,7 @@ class _OpenConnection(asyncio.Protocol):
     def __init__(self, pool: _Pool) -> None:
         self._pool = pool
         self._transport: asyncio.Transport | None = None
-        self._buf = b""
-        self._need = -1
-        self._status = b""
+        self._framer = ResponseFramer()
         self.ask: _Ask | None = None
         self.closed = False
 
@@ -433,26 +454,17 @@ class _OpenConnection(asyncio.Protocol):
         self._transport.write(self._pool.request)
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf + data if self._buf else data
-        if self._need < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                self._buf = buf
-                return
-            self._status = buf[9:12]
-            try:
-                self._need = end + 4 + _content_length(buf[:end])
-            except (ProtocolError, ValueError):
-                self.abort()
-                return
-        if len(buf) < self._need:
-            self._buf = buf
+        try:
+            answer = self._framer.feed(data)
+        except ProtocolError:
+            self.abort()
             return
-        extra = len(buf) != self._need
-        self._need, self._buf = -1, b""
+        if answer is None:
+            return
+        status, _, extra = answer
         ask, self.ask = self.ask, None
         if ask is not None:
-            self._pool.answered(ask, int(self._status))
+            self._pool.answered(ask, int(status))
         if extra:
             self.abort()
         else:

@@ -39,8 +39,8 @@ from typing import Any, cast
 
 from bench.loadgen import (
     ProtocolError,
+    ResponseFramer,
     Target,
-    _content_length,
     _status_of,
     build_get,
     build_request,
@@ -109,12 +109,8 @@ class _Client(asyncio.Protocol):
         self._again = again
         self._on_lost = on_lost
         self._transport: asyncio.Transport | None = None
-        self._buf = b""
-        self._need = -1
-        self._status = b""
+        self._framer = ResponseFramer()
         self._sent = 0
-        self._body_at = 0
-        self._need_was = 0
         self.body = b""  # the last answer's body (burst only)
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -129,30 +125,20 @@ class _Client(asyncio.Protocol):
         self._transport.write(self._request)
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf + data if self._buf else data
-        if self._need < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                self._buf = buf
-                return
-            self._status = buf[9:12]
-            self._body_at = end + 4
-            try:
-                self._need = end + 4 + _content_length(buf[:end])
-            except (ProtocolError, ValueError):
-                self.close()
-                return
-        if len(buf) < self._need:
-            self._buf = buf
+        try:
+            answer = self._framer.feed(data)
+        except ProtocolError:
+            self.close()
+            return
+        if answer is None:
             return
         ms = (_perf_ns() - self._sent) / 1e6
-        self._need_was = self._need
-        self._need, self._buf = -1, b""
+        status, body, _ = answer
         tally = self._tally
         if tally.recording or not self._again:
-            tally.add(int(self._status), ms, self._deadline_ms)
+            tally.add(int(status), ms, self._deadline_ms)
         if not self._again:
-            self.body = buf[self._body_at : self._need_was]
+            self.body = body
             if not self.done.done():
                 self.done.set_result(None)
         elif not tally.stopping:
