@@ -50,14 +50,6 @@ GPT2_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 512}
 MAX_NUM_SEQS = 32
 MAX_MODEL_LEN = 256
 
-TEXT = """\
-The quick brown fox jumps over the lazy dog. A server streams tokens to many clients,
-one step at a time, and every client reads its own words as they arrive. When a client
-goes away, its sequence leaves the batch and the cache slot is free again. Small models
-say strange things, but they say them quickly: seven silver spoons, eleven green lamps,
-a river of numbers 0 1 2 3 4 5 6 7 8 9 and the letters of the alphabet from A to Z.
-Hello world! Does it stop? Yes, it stops when it sees the end, or when it runs out of room.
-"""
 
 
 # --- the model ---------------------------------------------------------------------------
@@ -74,16 +66,15 @@ def build_lm(folder: Path) -> Path:
         return folder
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from aserve.engines.decoder.tiny import train_bpe
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<unk>", "<|endoftext|>"], show_progress=False
-    )
-    tok.train_from_iterator([TEXT] * 4, trainer=trainer)
+    train_bpe(tok, 512, ["<unk>", "<|endoftext|>"], [])  # on the builtin tiny-gpt2's text
     eos = tok.token_to_id("<|endoftext|>")
     config = GPT2Config(
         vocab_size=tok.get_vocab_size(),
