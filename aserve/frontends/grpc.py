@@ -17,10 +17,9 @@ leaves its queue.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -257,7 +256,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         track_grpc(context, self._server.metrics.requests.access_log)
         try:
             self._frontend.check_capacity()
-            with self._frontend.serving(), self._server.admission:
+            self._frontend.serving(context)
+            with self._server.admission:
                 response = await self._infer(request, context.time_remaining())
         except asyncio.CancelledError:
             record(self._served(request), "grpc", ErrorCode.CANCELLED.value, started)
@@ -279,8 +279,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self._frontend.check_capacity()
         except AserveError as exc:
             await context.abort(GRPC_STATUS[exc.code], exc.message)
-        with self._frontend.serving():
-            await _Stream(self, context).run(request_iterator)
+        self._frontend.serving(context)
+        await _Stream(self, context).run(request_iterator)
 
 
 class _Stream:
@@ -542,14 +542,17 @@ class GrpcFrontend:
                 f"limits.max_connections is {self._max_calls}; retry later"
             )
 
-    @contextlib.contextmanager
-    def serving(self) -> Iterator[None]:
-        """Count an inference call as in flight for the duration of a ``with``."""
+    def serving(self, context: grpc.aio.ServicerContext) -> None:
+        """Count an inference call as in flight until grpc has sent its status.
+
+        Not until the handler returns: its answer is written after that, and
+        a drain that ended at the return would let the final stop cancel an
+        answer still on its way (the client sees CANCELLED or a GOAWAY)."""
         self.inflight += 1
         self._idle.clear()
-        try:
-            yield
-        finally:
-            self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
+        context.add_done_callback(self._call_done)
+
+    def _call_done(self, _context: object) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()

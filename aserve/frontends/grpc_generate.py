@@ -103,7 +103,8 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                 status = exc.code.value
                 _end_call(context, GRPC_STATUS[exc.code], exc.message)
                 return
-            with self._frontend.serving(), self._server.admission:
+            self._frontend.serving(context)
+            with self._server.admission:
                 try:
                     runtime = generation_runtime(
                         self._server.registry, request.model_name, request.model_version
