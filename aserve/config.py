@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from aserve import archive
-from aserve.codecs.datatypes import DATATYPES
+from aserve.types.tensors import DATATYPES
 
 Datatype = Literal[
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",

@@ -23,8 +23,8 @@ from typing import Any, Final
 import numpy as np
 
 from aserve.codecs.binary import CHUNK
-from aserve.codecs.datatypes import numpy_dtype
 from aserve.errors import InvalidArgument
+from aserve.types.tensors import numpy_dtype
 
 # The array module's type code that converts each numeric datatype's JSON
 # numbers; FP16 goes through doubles.

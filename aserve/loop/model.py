@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from aserve import builtin_models
-from aserve.codecs.datatypes import numpy_dtype
 from aserve.config import GpuConfig, ModelConfig
 from aserve.engines import create_engine
 from aserve.engines.base import Engine
@@ -27,6 +26,7 @@ from aserve.logs import CURRENT
 from aserve.loop.request import InferenceRequest
 from aserve.scheduler.batcher import Batcher
 from aserve.stats import ModelStats
+from aserve.types.tensors import numpy_dtype
 
 log = logging.getLogger("aserve.model")
 
