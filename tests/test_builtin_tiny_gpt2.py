@@ -39,7 +39,8 @@ GENERATION = {"max_num_seqs": 4, "max_model_len": 256, "max_tokens_default": 16}
 
 def greedy_text(folder: Path, prompt: str = PROMPT, max_tokens: int = 24) -> str:
     """What the decoder engine generates greedily from ``folder``, in this process."""
-    from aserve.engines.decoder import DecoderEngine, SamplingParams
+    from aserve.engines.decoder import DecoderEngine
+    from aserve.types.generation import SamplingParams
 
     engine = DecoderEngine(folder, GenerationConfig(max_num_seqs=1, max_model_len=128))
     engine.load()

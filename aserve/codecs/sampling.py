@@ -21,8 +21,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from aserve.engines.decoder.sampling import SamplingParams
 from aserve.errors import InvalidArgument
+from aserve.types.generation import SamplingParams
 
 SAMPLING_KEYS = frozenset(
     {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}

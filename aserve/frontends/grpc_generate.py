@@ -26,7 +26,6 @@ from aserve._proto import grpc_service_pb2 as pb
 from aserve.codecs.sampling import BadSetting, sampling_from_parameters, sampling_settings
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
 from aserve.config import GenerationConfig
-from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
@@ -40,7 +39,7 @@ from aserve.loop.generation import (
 )
 from aserve.loop.prompt_size import check_prompt_size
 from aserve.metrics import OK
-from aserve.streaming.channel import Delta
+from aserve.types.generation import Delta, SamplingParams
 
 if TYPE_CHECKING:
     from aserve.frontends.grpc import GrpcFrontend

@@ -33,12 +33,13 @@ from aserve.config import GenerationConfig
 from aserve.engines.decoder.checkpoint import read_spec
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel, resolve_dtype
-from aserve.engines.decoder.sampling import SamplingParams, make_generator, sample
-from aserve.engines.decoder.sequence import Sequence, StepOutput
+from aserve.engines.decoder.sampling import make_generator, sample
+from aserve.engines.decoder.sequence import Sequence
 from aserve.engines.decoder.spec import ModelSpec
 from aserve.engines.decoder.stop import StopMatcher
 from aserve.engines.decoder.tokenizer import Tokenizer
 from aserve.errors import AserveError, InvalidArgument
+from aserve.types.generation import SamplingParams, StepOutput
 
 log = logging.getLogger("aserve.engines.decoder")
 
