@@ -15,9 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from aserve import builtin_models
 from aserve.config import GpuConfig, ModelConfig
-from aserve.engines import create_engine
+from aserve.engines import builtin, create_engine
 from aserve.engines.base import Engine
 from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.engines.process_pool import ProcessPool, WorkerSpec
@@ -103,7 +102,7 @@ class ModelRuntime:
         path = self.config.path
         if path is None:
             return None
-        return builtin_models.locate(path, self._base_dir)
+        return builtin.locate(path, self._base_dir)
 
     async def load(self) -> None:
         """Load, start the instances and warm up; the model is READY afterwards."""
