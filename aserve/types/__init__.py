@@ -5,5 +5,6 @@ the streaming channel and the frontends can use these types on a Python
 without torch. Pure values and functions: they run wherever they are called.
 
 - ``tensors``: KServe V2 datatypes and numpy dtypes, the one dtype/shape check
-- ``generation``: what a generation request asks for and what its steps produce
+- ``generation``: what a generation request asks for (and the bounds of its
+  sampling settings) and what its steps produce
 """

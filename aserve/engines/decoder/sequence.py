@@ -24,9 +24,11 @@ class Sequence:
     params: SamplingParams
     max_tokens: int  # the request's max_tokens, or the default, clamped to what fits
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and the request's own
-    generator: torch.Generator
-    detokenizer: IncrementalDetokenizer
-    stop: StopMatcher
+    # Made by the engine when the sequence starts, where the steps run (the step
+    # thread, or the step process): the server's side never needs them.
+    generator: torch.Generator = field(init=False, repr=False)
+    detokenizer: IncrementalDetokenizer = field(init=False, repr=False)
+    stop: StopMatcher = field(init=False, repr=False)
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # KV-cache slot while running
     finish_reason: FinishReason | None = None
