@@ -56,7 +56,6 @@ LAYERS = [
     "aserve.types.generation",
     "aserve.codecs",
     "aserve.codecs.binary",
-    "aserve.codecs.json_data",
     "aserve.codecs.validate",
     "aserve.codecs.v2",
     "aserve.codecs.v2_grpc",
