@@ -36,7 +36,7 @@ import zipfile
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from aserve import builtin_models
+from aserve.config.paths import PREFIX, cache_dir
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 1
@@ -104,7 +104,7 @@ def serve_config(path: Path) -> dict[str, Any]:
             raise ArchiveError(f"{path}: not a zip archive ({exc})") from None
         with zf:
             manifest = _verified_manifest(zf, path)
-            root = (builtin_models.cache_dir() / "archives" / digest).absolute()
+            root = (cache_dir() / "archives" / digest).absolute()
             if not (root.is_dir() and _extracted_ok(root, manifest)):
                 _extract_into_place(zf, manifest, root, path)
     return _resolved_config(root, manifest["config"], path)
@@ -277,7 +277,7 @@ def _resolved_config(root: Path, config_name: str, path: Path) -> dict[str, Any]
         if not isinstance(m, dict):
             continue
         p = m.get("path")
-        if isinstance(p, str) and not p.startswith(builtin_models.PREFIX):
+        if isinstance(p, str) and not p.startswith(PREFIX):
             m["path"] = str(_inside(root, p, f"models[{i}].path", path))
         m["root"] = str(root)
     return config

@@ -20,8 +20,10 @@ import zipfile
 from importlib.util import find_spec
 from pathlib import Path
 
-from aserve import __version__, archive, builtin_models
-from aserve.config import ConfigError, check_model_files, read_config
+from aserve import __version__, archive
+from aserve.config import ConfigError, read_config
+from aserve.config.checks import check_model_files
+from aserve.config.paths import PREFIX
 
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".git", ".venv", "venv", ".mypy_cache", ".ruff_cache"}
 _DATE = (1980, 1, 1, 0, 0, 0)
@@ -67,7 +69,7 @@ def check_project(project: Path, config_name: str) -> None:
     except ConfigError as exc:
         raise PackError(str(exc)) from None
     for i, m in enumerate(config.models):
-        if m.path is None or m.path.startswith(builtin_models.PREFIX):
+        if m.path is None or m.path.startswith(PREFIX):
             continue
         if not (m.folder(base_dir) / m.path).resolve().is_relative_to(project.resolve()):
             raise PackError(f"models[{i}].path: {m.path!r} is outside the project {project}")

@@ -108,7 +108,8 @@ def generation_config() -> dict[str, Any]:
 def ceiling(path: Path, batch: int, max_tokens: int, seconds: float) -> dict[str, Any]:
     """The engine's own generate loop at ``batch`` sequences: tokens/s and ms per decode step."""
     from aserve.config import GenerationConfig
-    from aserve.engines.decoder import DecoderEngine, SamplingParams
+    from aserve.engines.decoder import DecoderEngine
+    from aserve.types.generation import SamplingParams
 
     engine = DecoderEngine(
         path, GenerationConfig(**generation_config()), dtype="float32", cpu_threads=1

@@ -30,7 +30,8 @@ def build_decoder_models(root: Path, lms: Path) -> dict[str, Any]:
     Returns the config's model entries and what the eos model will do.
     """
     from aserve.config import GenerationConfig
-    from aserve.engines.decoder import DecoderEngine, SamplingParams
+    from aserve.engines.decoder import DecoderEngine
+    from aserve.types.generation import SamplingParams
 
     gpt2 = lm_models.tiny_model("gpt2", lms)
     llama = lm_models.tiny_model("llama", lms)

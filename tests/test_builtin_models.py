@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import spec, start_server, write_config
 
-from aserve import builtin_models
+from aserve.engines import builtin as builtin_models
 
 BUILDERS = 4
 WRITE_GATE_S = 3.0  # how long a writer waits for the others before it renames anyway

@@ -24,10 +24,11 @@ import openai
 import pytest
 from conftest import start_server, write_config
 
-from aserve import builtin_models
 from aserve._proto import aserve_pb2 as apb
 from aserve._proto import aserve_pb2_grpc as apb_grpc
-from aserve.config import ConfigError, GenerationConfig, check_model_files, parse_config
+from aserve.config import ConfigError, GenerationConfig, parse_config
+from aserve.config.checks import check_model_files
+from aserve.engines import builtin as builtin_models
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
@@ -39,7 +40,8 @@ GENERATION = {"max_num_seqs": 4, "max_model_len": 256, "max_tokens_default": 16}
 
 def greedy_text(folder: Path, prompt: str = PROMPT, max_tokens: int = 24) -> str:
     """What the decoder engine generates greedily from ``folder``, in this process."""
-    from aserve.engines.decoder import DecoderEngine, SamplingParams
+    from aserve.engines.decoder import DecoderEngine
+    from aserve.types.generation import SamplingParams
 
     engine = DecoderEngine(folder, GenerationConfig(max_num_seqs=1, max_model_len=128))
     engine.load()

@@ -136,7 +136,8 @@ async def test_onnx_tensors_from_the_file(onnx_affine: Path, eager_models: dict)
 
 async def test_decoder_folder(tiny_gpt2: Path) -> None:
     from aserve.config import GenerationConfig
-    from aserve.engines.decoder import DecoderEngine, SamplingParams
+    from aserve.engines.decoder import DecoderEngine
+    from aserve.types.generation import SamplingParams
 
     engine = DecoderEngine(tiny_gpt2, GenerationConfig(max_num_seqs=1, max_model_len=64))
     engine.load()

@@ -46,3 +46,18 @@ def test_errors_name_the_json_path(change, message):
 def test_top_level_must_be_an_object():
     with pytest.raises(ConfigError, match="JSON object"):
         parse_config([1, 2])
+
+
+@pytest.mark.timeout(10)
+def test_prompt_bytes_limit_is_computed_at_validation_and_follows_copies():
+    from aserve.config import PROMPT_BYTES_PER_TOKEN, GenerationConfig
+
+    gen = GenerationConfig(max_model_len=100)
+    # A value on the instance, not a property run by every generation request.
+    assert gen.__dict__["prompt_bytes_limit"] == PROMPT_BYTES_PER_TOKEN * 100
+    assert gen.model_copy(update={"max_model_len": 10}).prompt_bytes_limit == (
+        PROMPT_BYTES_PER_TOKEN * 10
+    )
+    assert gen.model_copy(update={"max_prompt_bytes": 7}).prompt_bytes_limit == 7
+    assert gen == GenerationConfig(max_model_len=100)
+    assert "prompt_bytes_limit" not in gen.model_dump()

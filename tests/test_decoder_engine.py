@@ -14,12 +14,11 @@ from aserve.engines.decoder import (
     CacheFull,
     DecoderEngine,
     GenerationConfig,
-    SamplingParams,
     Sequence,
     SequenceTooLong,
-    StepOutput,
 )
 from aserve.errors import InvalidArgument
+from aserve.types.generation import SamplingParams, StepOutput
 
 GREEDY = SamplingParams(temperature=0)
 TEXTS = [

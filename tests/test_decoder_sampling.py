@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from aserve.engines.decoder.sampling import SamplingParams, filtered_probs, make_generator, sample
+from aserve.engines.decoder.sampling import filtered_probs, make_generator, sample
 from aserve.errors import InvalidArgument
+from aserve.types.generation import SamplingParams
 
 
 def _filter(

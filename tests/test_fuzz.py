@@ -45,7 +45,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reload_helpers import copy_handler
 
-from aserve.codecs.datatypes import numpy_dtype
+from aserve.types.tensors import numpy_dtype
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from aserve.config import GenerationConfig
-from aserve.engines.decoder import StepOutput
 from aserve.engines.step_executor import StepJob
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull
 from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
 from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.stats import ModelStats
 from aserve.streaming.channel import TokenChannel
+from aserve.types.generation import StepOutput
 
 LIMITS = StepLimits(max_num_seqs=4, max_prefill_tokens=100)
 

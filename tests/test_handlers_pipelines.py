@@ -386,7 +386,7 @@ def test_example_configs_serve(tmp_path):
             direct = client.infer("text_features", [_text_input(texts)])
         finally:
             client.close()
-        from aserve.builtin_models import affine
+        from aserve.engines.builtin import affine
 
         features = np.stack([example.features(t) for t in texts])
         np.testing.assert_allclose(direct.as_numpy("FEATURES"), features, rtol=1e-6)

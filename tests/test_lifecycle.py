@@ -107,7 +107,7 @@ def test_default_config_serves_the_builtin_model(tmp_path):
         # The builtin model is built from seed 0; rebuild it here the same way.
         import torch
 
-        from aserve.builtin_models import affine
+        from aserve.engines.builtin import affine
 
         want = affine()(torch.from_numpy(x[None])).detach().numpy().ravel()
         np.testing.assert_allclose(body["outputs"][0]["data"], want, rtol=1e-5, atol=1e-5)

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aserve.codecs.datatypes import DATATYPES
 from aserve.config import TensorSpec, parse_config
 from aserve.engines import tensorrt_build as tb
 from aserve.engines.requirements import engine_problem
 from aserve.engines.tensorrt_engine import TRT_DATATYPES, TensorRTEngine, buffer_bytes
+from aserve.types.tensors import DATATYPES
 
 X16 = TensorSpec(name="X", datatype="FP32", shape=[16])
 

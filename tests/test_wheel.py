@@ -104,7 +104,7 @@ def test_wheel_in_a_fresh_venv_serves_the_default_model(tmp_path):
         assert status == 200, body
         import torch
 
-        from aserve.builtin_models import affine
+        from aserve.engines.builtin import affine
 
         want = affine()(torch.from_numpy(x[None])).detach().numpy().ravel()
         np.testing.assert_allclose(body["outputs"][0]["data"], want, rtol=1e-5, atol=1e-5)

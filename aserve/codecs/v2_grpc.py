@@ -18,7 +18,6 @@ import numpy as np
 
 from aserve._proto import grpc_service_pb2 as pb
 from aserve.codecs.binary import CHUNK, tensor_to_bytes
-from aserve.codecs.datatypes import numpy_dtype
 from aserve.codecs.v2 import OFF_LOOP_ELEMENTS, DecodedRequest
 from aserve.codecs.validate import (
     add_shape,
@@ -30,6 +29,7 @@ from aserve.codecs.validate import (
 )
 from aserve.config import TensorSpec
 from aserve.errors import InvalidArgument
+from aserve.types.tensors import numpy_dtype
 
 # The InferTensorContents field of each datatype. FP16 has none: raw only.
 CONTENTS_FIELD: Final[dict[str, str]] = {

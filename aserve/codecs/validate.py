@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 
 from aserve.codecs.binary import bytes_elements
-from aserve.codecs.datatypes import DATATYPES, numpy_dtype
 from aserve.config import TensorSpec
 from aserve.errors import InvalidArgument, TooLarge, Unavailable, Unimplemented
 from aserve.loop.deadline import parameter_timeout_s
+from aserve.types.tensors import DATATYPES, numpy_dtype
 
 # numpy (and every engine) counts in int64: a dimension, and the product of a
 # shape's dimensions times the element size, must stay below this.

@@ -188,8 +188,10 @@ def validate(plan: Plan) -> Any:
     """The :class:`ServerConfig` of ``plan``, its files checked; errors name the flags."""
     from pydantic import ValidationError
 
-    from aserve.config import ConfigError, ServerConfig, _message, check_model_files
-    from aserve.pipeline_config import check_pipelines
+    from aserve.config import ConfigError, ServerConfig
+    from aserve.config.checks import check_model_files
+    from aserve.config.load import _message
+    from aserve.config.pipelines import check_pipelines
 
     try:
         config = ServerConfig.model_validate(plan.data)
@@ -212,7 +214,7 @@ def validate(plan: Plan) -> Any:
 def _where(loc: tuple[Any, ...], message: str, plan: Plan) -> tuple[str, str]:
     """``(where, message)``: the flag behind the error at ``loc`` (with the value given),
     else its JSON path."""
-    from aserve.config import _json_path
+    from aserve.config.load import _json_path
 
     key = tuple(0 if i == 1 and loc and loc[0] == "models" else p for i, p in enumerate(loc))
     # A check across keys (of a model, of its batching) starts its message with the key.
@@ -249,7 +251,7 @@ def _given(plan: Plan, key: tuple[Any, ...]) -> bool:
 
 def _model_of(target: str) -> tuple[str, dict[str, Any]]:
     """``(format, model entry)`` for FILE; format is an engine name or "export" (.pt2)."""
-    from aserve.config import _HANDLER
+    from aserve.config.schema import _HANDLER
 
     path = Path(target)
     if path.is_dir():

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from aserve.codecs.datatypes import numpy_dtype
 from aserve.config import TensorSpec
+from aserve.types.tensors import dtype_fits, shape_fits, shape_text
 
 
 def stack_inputs(
@@ -37,18 +37,13 @@ def check_outputs(
         arr = outputs.get(spec.name)
         if arr is None:
             raise ValueError(f"model '{model}' did not produce output '{spec.name}'")
-        want = numpy_dtype(spec.datatype)
-        if arr.dtype != want and not (want.kind == "O" and arr.dtype.kind in "OSU"):
+        if not dtype_fits(arr.dtype, spec.datatype):
             raise ValueError(
                 f"model '{model}' output '{spec.name}' has dtype {arr.dtype}, "
                 f"but the config declares {spec.datatype}"
             )
-        if (
-            arr.ndim != len(spec.shape) + 1
-            or arr.shape[0] != batch_size
-            or any(d != -1 and d != got for d, got in zip(spec.shape, arr.shape[1:], strict=True))
-        ):
+        if not shape_fits(arr.shape, spec.shape, batch_size):
             raise ValueError(
                 f"model '{model}' output '{spec.name}' has shape {list(arr.shape)}, expected "
-                f"[{batch_size}, {', '.join(map(str, spec.shape))}] for a batch of {batch_size}"
+                f"{shape_text(spec.shape, batch_size)} for a batch of {batch_size}"
             )

@@ -72,7 +72,7 @@ def capture(
     label: str,
 ) -> dict[int, CapturedGraph]:
     """Capture ``module`` for each batch size on ``stream``; ``{}`` when it cannot be."""
-    from aserve.codecs.datatypes import numpy_dtype
+    from aserve.types.tensors import numpy_dtype
 
     if any(-1 in s.shape for s in specs):  # config validation refuses this; be safe anyway
         log.warning("model %s: cuda_graphs needs fixed input shapes; running eagerly", label)

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aserve.engines.decoder import DecoderEngine, Sequence, StepOutput
+from aserve.engines.decoder import DecoderEngine, Sequence
 from aserve.loop.handoff import post_threadsafe
+from aserve.types.generation import StepOutput
 
 log = logging.getLogger("aserve.executor")
 

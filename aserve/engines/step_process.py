@@ -44,11 +44,12 @@ import msgpack
 
 from aserve.config import GenerationConfig
 from aserve.engines import child_process
-from aserve.engines.decoder import DecoderEngine, SamplingParams, Sequence, StepOutput
+from aserve.engines.decoder import DecoderEngine, Sequence
 from aserve.engines.gpu_memory import CacheReleaser
 from aserve.engines.pipe import PipeChannel, open_channel
 from aserve.engines.step_executor import StepJob
 from aserve.errors import InvalidArgument
+from aserve.types.generation import SamplingParams, StepOutput
 
 log = logging.getLogger("aserve.executor")
 

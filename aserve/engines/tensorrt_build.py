@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from aserve.config import TensorSpec
+from aserve.config import TensorSpec, paths
 
 log = logging.getLogger("aserve.engines.tensorrt")
 
@@ -39,9 +39,7 @@ WORKSPACE_BYTES = 4 << 30
 
 
 def cache_dir() -> Path:
-    from aserve import builtin_models
-
-    return builtin_models.cache_dir() / "tensorrt"
+    return paths.cache_dir() / "tensorrt"
 
 
 def model_digest(onnx_path: Path) -> str:

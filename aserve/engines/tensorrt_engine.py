@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from aserve.codecs.datatypes import numpy_dtype
 from aserve.config import ModelConfig
 from aserve.engines.base import Engine
 from aserve.engines.io_specs import ModelTensor, reconcile
+from aserve.types.tensors import numpy_dtype
 
 log = logging.getLogger("aserve.engines.tensorrt")
 

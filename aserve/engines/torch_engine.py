@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from aserve.codecs.datatypes import numpy_dtype
 from aserve.config import ModelConfig
 from aserve.engines.base import Engine
+from aserve.types.tensors import numpy_dtype
 
 log = logging.getLogger("aserve.engines.torch")
 

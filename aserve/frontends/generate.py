@@ -35,8 +35,8 @@ from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_rou
 from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
 from aserve.loop.generation import GenerationRuntime, generation_runtime
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES, body_limit
-from aserve.streaming.channel import Delta
 from aserve.streaming.http_stream import json_stream
+from aserve.types.generation import Delta
 
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server

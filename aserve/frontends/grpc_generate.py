@@ -23,10 +23,9 @@ import grpc
 from aserve._proto import aserve_pb2 as apb
 from aserve._proto import aserve_pb2_grpc as apb_grpc
 from aserve._proto import grpc_service_pb2 as pb
-from aserve.codecs.sampling import BadSetting, sampling_from_parameters, sampling_settings
+from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
 from aserve.config import GenerationConfig
-from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
@@ -40,7 +39,7 @@ from aserve.loop.generation import (
 )
 from aserve.loop.prompt_size import check_prompt_size
 from aserve.metrics import OK
-from aserve.streaming.channel import Delta
+from aserve.types.generation import BadSetting, Delta, SamplingParams, sampling_settings
 
 if TYPE_CHECKING:
     from aserve.frontends.grpc import GrpcFrontend
@@ -171,7 +170,7 @@ def _prompt(
 
 def _sampling(s: apb.SamplingParameters) -> SamplingParams:
     """The request's settings, within the bounds every route checks
-    (:func:`aserve.codecs.sampling.sampling_settings`): a double must be finite."""
+    (:func:`aserve.types.generation.sampling_settings`): a double must be finite."""
     given: dict[str, Any] = {"stop": list(s.stop) or None, "ignore_eos": s.ignore_eos}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
         if s.HasField(name):

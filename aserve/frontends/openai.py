@@ -35,8 +35,6 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from aserve.codecs.sampling import SAMPLING_KEYS, BadSetting, sampling_settings
-from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.generate import Route, read_json_object, timeout_for, usage
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
@@ -47,9 +45,15 @@ from aserve.loop.generation import (
     generation_runtime,
 )
 from aserve.loop.prompt_size import check_prompt_size
-from aserve.streaming.channel import Delta
 from aserve.streaming.http_stream import json_stream
 from aserve.streaming.sse import DONE
+from aserve.types.generation import (
+    SAMPLING_KEYS,
+    BadSetting,
+    Delta,
+    SamplingParams,
+    sampling_settings,
+)
 
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from aserve import builtin_models
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
-from aserve.engines.decoder import DecoderEngine, SamplingParams, Tokenizer
+from aserve.engines import builtin
+from aserve.engines.decoder import DecoderEngine, Tokenizer
 from aserve.engines.decoder import Sequence as EngineSequence
 from aserve.engines.step_executor import StepExecutor
 from aserve.engines.step_process import ProcessStepExecutor, WorkerArgs
@@ -38,6 +38,7 @@ from aserve.loop.model import ModelState
 from aserve.loop.prompt_size import BODY_SLACK_BYTES, body_limit, check_prompt_size
 from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
 from aserve.stats import ModelStats
+from aserve.types.generation import SamplingParams
 
 if TYPE_CHECKING:
     from aserve.loop.registry import ModelRegistry
@@ -101,7 +102,7 @@ class GenerationRuntime:
         t0 = time.perf_counter()
         c = self.config
         assert c.path is not None  # the config requires one for a decoder model
-        path = await asyncio.to_thread(builtin_models.locate, c.path, self._base_dir)
+        path = await asyncio.to_thread(builtin.locate, c.path, self._base_dir)
         engine = DecoderEngine(path, c.generation, c.device, c.dtype, c.cpu_threads)
         executor: StepExecutor | ProcessStepExecutor
         if c.generation.step_process:

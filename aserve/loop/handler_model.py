@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from aserve.codecs.datatypes import numpy_dtype
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines.base import Engine
 from aserve.engines.python_handler import (
@@ -42,6 +41,7 @@ from aserve.errors import (
 )
 from aserve.handler_metrics import MetricSet
 from aserve.loop.model import ModelRuntime
+from aserve.types.tensors import numpy_dtype, shape_fits, shape_text
 
 # The last part of a request's time budget that its answer needs to reach the client.
 ANSWER_SLACK = 0.05
@@ -378,14 +378,10 @@ def _as_output(label: str, spec: TensorSpec, value: Any, batch_size: int) -> np.
             raise InternalError(
                 f"model '{label}' output '{spec.name}' is not {spec.datatype}: {exc}"
             ) from None
-    if (
-        arr.ndim != len(spec.shape) + 1
-        or arr.shape[0] != batch_size
-        or any(d != -1 and d != got for d, got in zip(spec.shape, arr.shape[1:], strict=True))
-    ):
+    if not shape_fits(arr.shape, spec.shape, batch_size):
         raise InternalError(
             f"model '{label}' output '{spec.name}' has shape {list(arr.shape)}, expected "
-            f"[{batch_size}, {', '.join(map(str, spec.shape))}]"
+            f"{shape_text(spec.shape, batch_size)}"
         )
     return arr
 

@@ -15,10 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from aserve import builtin_models
-from aserve.codecs.datatypes import numpy_dtype
 from aserve.config import GpuConfig, ModelConfig
-from aserve.engines import create_engine
+from aserve.engines import builtin, create_engine
 from aserve.engines.base import Engine
 from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.engines.process_pool import ProcessPool, WorkerSpec
@@ -27,6 +25,7 @@ from aserve.logs import CURRENT
 from aserve.loop.request import InferenceRequest
 from aserve.scheduler.batcher import Batcher
 from aserve.stats import ModelStats
+from aserve.types.tensors import numpy_dtype
 
 log = logging.getLogger("aserve.model")
 
@@ -103,7 +102,7 @@ class ModelRuntime:
         path = self.config.path
         if path is None:
             return None
-        return builtin_models.locate(path, self._base_dir)
+        return builtin.locate(path, self._base_dir)
 
     async def load(self) -> None:
         """Load, start the instances and warm up; the model is READY afterwards."""

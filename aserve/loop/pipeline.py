@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from aserve.codecs.datatypes import numpy_dtype
 from aserve.codecs.validate import check_batch
 from aserve.config import ModelConfig, PipelineStep
 from aserve.engines.batching import check_outputs
@@ -33,6 +32,7 @@ from aserve.errors import (
     Unavailable,
 )
 from aserve.loop.model import ModelRuntime, ModelState
+from aserve.types.tensors import dtype_fits, shape_fits, shape_text
 
 if TYPE_CHECKING:
     from aserve.loop.registry import ModelRegistry
@@ -150,18 +150,15 @@ class PipelineRuntime(ModelRuntime):
             arr = tensors.get(source)
             if arr is None:  # the config check rules this out; a reloaded step may differ
                 raise InternalError(f"{where}: no tensor '{source}' for input '{name}'")
-            dtype = numpy_dtype(spec.datatype)
-            if arr.dtype != dtype and not (dtype.kind == "O" and arr.dtype.kind == "O"):
+            if not dtype_fits(arr.dtype, spec.datatype):
                 raise InternalError(
                     f"{where}: tensor '{source}' is {arr.dtype}, input '{name}' takes "
                     f"{spec.datatype}"
                 )
-            if arr.ndim != len(spec.shape) + 1 or any(
-                d != -1 and d != got for d, got in zip(spec.shape, arr.shape[1:], strict=True)
-            ):
+            if not shape_fits(arr.shape, spec.shape):
                 raise InvalidArgument(
                     f"{where}: tensor '{source}' has shape {list(arr.shape)}, input '{name}' "
-                    f"takes [batch, {', '.join(map(str, spec.shape))}]"
+                    f"takes {shape_text(spec.shape)}"
                 )
             step_inputs[name] = arr
         size, key = check_batch(

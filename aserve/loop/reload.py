@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from aserve.config import ConfigError, ModelConfig, ServerConfig, check_model_files, parse_config
+from aserve.config import ConfigError, ModelConfig, ServerConfig, parse_config
+from aserve.config.checks import check_model_files
 from aserve.errors import InternalError, NotFound, Unavailable
 from aserve.loop.model import ModelRuntime
 from aserve.loop.runtimes import create_runtime

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from aserve.config import GenerationConfig
-from aserve.engines.decoder import Sequence, StepOutput
+from aserve.engines.decoder import Sequence
 from aserve.engines.step_executor import StepJob
 from aserve.errors import (
     AserveError,
@@ -41,7 +41,8 @@ from aserve.errors import (
 from aserve.logs import CURRENT
 from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.stats import ModelStats
-from aserve.streaming.channel import Delta, TokenChannel
+from aserve.streaming.channel import TokenChannel
+from aserve.types.generation import Delta, StepOutput
 
 log = logging.getLogger("aserve.continuous")
 

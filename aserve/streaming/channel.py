@@ -1,11 +1,11 @@
 """A bounded token channel per generation request, consumed as an async iterator.
 
 Runs on the loop only. The continuous batcher fills it with each step's
-:class:`~aserve.engines.decoder.StepOutput` for the request (the outputs
+:class:`~aserve.types.generation.StepOutput` for the request (the outputs
 crossed from the executor thread in :mod:`aserve.loop.handoff`, the one
 handoff place); a frontend reads it with ``async for delta in channel``.
 
-Reading takes everything buffered at once, merged into one :class:`Delta`:
+Reading takes everything buffered at once, merged into one :class:`~aserve.types.generation.Delta`:
 a reader that keeps up gets one delta per step, a slower one gets fewer,
 larger deltas and never replays a backlog chunk by chunk.
 
@@ -23,30 +23,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from aserve.engines.decoder.sequence import FinishReason, StepOutput
 from aserve.errors import AserveError
-
-
-@dataclass(slots=True)
-class Delta:
-    """What a sequence produced since the reader's last read.
-
-    ``text`` may be "" (text held back while a character or a possible stop
-    string is incomplete); ``finish_reason`` is set on the last delta, and
-    the token counts are the totals so far.
-    """
-
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+from aserve.types.generation import Delta, StepOutput
 
 
 class TokenChannel:
@@ -140,4 +119,5 @@ def _merge(outputs: deque[StepOutput]) -> Delta:
     else:
         text = "".join(o.text for o in outputs)
         ids = [o.token_id for o in outputs]
-    return Delta(text, ids, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+    reason = last.finish_reason
+    return Delta(text, ids, reason, last.prompt_tokens, last.completion_tokens, reason is not None)

@@ -6,7 +6,8 @@ loading, in a worker thread during startup); nothing here touches asyncio.
 - ``engine.DecoderEngine``: load/unload, ``new_sequence``, ``step``, ``free``
 - ``model.DecoderModel``: our forward pass (``prefill``, ``decode``)
 - ``kv_cache.KVCache``: the preallocated cache and its slots
-- ``sampling``: ``SamplingParams`` and the per-sequence sampler
+- ``sampling``: the per-sequence sampler (its settings, ``SamplingParams``, and
+  the step's ``StepOutput`` are torch-free: :mod:`aserve.types.generation`)
 - ``tokenizer``, ``detokenizer``, ``stop``: text in and out
 - ``checkpoint``, ``gpt2``, ``llama``, ``spec``, ``rope``: reading model folders
 """
@@ -17,8 +18,7 @@ from aserve.config import GenerationConfig
 from aserve.engines.decoder.engine import DecoderEngine
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel
-from aserve.engines.decoder.sampling import SamplingParams
-from aserve.engines.decoder.sequence import FinishReason, Sequence, StepOutput
+from aserve.engines.decoder.sequence import Sequence
 from aserve.engines.decoder.spec import CheckpointError
 from aserve.engines.decoder.tokenizer import Tokenizer
 
@@ -27,12 +27,9 @@ __all__ = [
     "CheckpointError",
     "DecoderEngine",
     "DecoderModel",
-    "FinishReason",
     "GenerationConfig",
     "KVCache",
-    "SamplingParams",
     "Sequence",
     "SequenceTooLong",
-    "StepOutput",
     "Tokenizer",
 ]

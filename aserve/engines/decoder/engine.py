@@ -6,10 +6,11 @@ Thread contract (the same spirit as :class:`aserve.engines.base.Engine`):
 - ``create_instance``, ``step`` and ``free`` run on ONE executor thread: the
   KV cache and every started :class:`Sequence` belong to it. There is one
   instance per engine, since the cache is the state that decode continues.
-- ``new_sequence`` only validates and builds a sequence; it touches no
-  engine state, so the scheduler may call it wherever it prepares a request
-  (it tokenizes a text prompt, which takes longer than the loop should wait
-  for a long prompt).
+- ``new_sequence`` only validates and builds a sequence (its sampler and
+  text state are made by the step that starts it); it touches no engine
+  state, so the scheduler may call it wherever it prepares a request (it
+  tokenizes a text prompt, which takes longer than the loop should wait for
+  a long prompt).
 - ``load_front`` loads only what ``new_sequence`` needs (the tokenizer and
   the model's shape): the server process's view of an engine whose steps run
   in a child process (:mod:`aserve.engines.step_process`).
@@ -33,12 +34,13 @@ from aserve.config import GenerationConfig
 from aserve.engines.decoder.checkpoint import read_spec
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel, resolve_dtype
-from aserve.engines.decoder.sampling import SamplingParams, make_generator, sample
-from aserve.engines.decoder.sequence import Sequence, StepOutput
+from aserve.engines.decoder.sampling import make_generator, sample
+from aserve.engines.decoder.sequence import Sequence
 from aserve.engines.decoder.spec import ModelSpec
 from aserve.engines.decoder.stop import StopMatcher
 from aserve.engines.decoder.tokenizer import Tokenizer
 from aserve.errors import AserveError, InvalidArgument
+from aserve.types.generation import SamplingParams, StepOutput
 
 log = logging.getLogger("aserve.engines.decoder")
 
@@ -180,17 +182,23 @@ class DecoderEngine:
         stop_token_ids: Iterable[int],
     ) -> Sequence:
         """A sequence from settings ``new_sequence`` has already validated
-        (the step process rebuilds the server's sequences with it)."""
+        (the step process rebuilds the server's sequences with it). Its random
+        stream, detokenizer and stop matcher are made when a step starts it."""
         return Sequence(
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params,
             max_tokens=max_tokens,
             stop_token_ids=frozenset(stop_token_ids),
-            generator=make_generator(params.seed),
-            detokenizer=self.tokenizer.detokenizer(prompt_ids),
-            stop=StopMatcher(params.stop),
         )
+
+    def _start(self, seq: Sequence) -> None:
+        """What only the steps use, made where they run: per request on the
+        loop it would cost a seeded torch.Generator and two objects the server
+        side of a step process never reads."""
+        seq.generator = make_generator(seq.params.seed)
+        seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_ids)
+        seq.stop = StopMatcher(seq.params.stop)
 
     # --- the step -------------------------------------------------------------------
 
@@ -224,6 +232,8 @@ class DecoderEngine:
             raise CacheFull(
                 f"{len(new)} new sequence(s) but only {cache.num_free} free KV-cache slot(s)"
             )
+        for s in new:
+            self._start(s)
         seqs = new + running
         try:
             tokens = self._forward(new, running)

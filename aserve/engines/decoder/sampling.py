@@ -3,62 +3,18 @@
 Every sequence has its own ``torch.Generator`` and draws exactly one uniform
 number per sampled token from it, so a seeded request produces the same
 tokens whatever else shares its batch, and greedy rows draw nothing. The
-filtering (temperature, top-k, top-p) is vectorized over the batch.
+filtering (temperature, top-k, top-p) is vectorized over the batch. The
+settings themselves (:class:`~aserve.types.generation.SamplingParams`) are
+torch-free types the frontends build.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from aserve.errors import InvalidArgument
-
-_GREEDY_BELOW = 1e-5
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request generates. Validation errors name the field and the value.
-
-    ``temperature`` 0 (or below 1e-5, where dividing by it would overflow)
-    is greedy, and top-k/top-p/seed then do not matter.
-    ``top_k`` 0 and ``top_p`` 1 disable those filters. ``max_tokens`` None
-    means the engine's default. Text equal to one of ``stop`` ends the
-    sequence and is not returned; so does a token in ``stop_token_ids`` or,
-    unless ``ignore_eos``, an end-of-sequence token.
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidArgument(f"temperature must be >= 0 (got {self.temperature})")
-        if not 0 <= self.top_k < 2**63:  # the step's tensors and wire carry 64 bits
-            raise InvalidArgument(
-                f"top_k must be >= 0 and < 2**63, 0 for no limit (got {self.top_k})"
-            )
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgument(f"top_p must be in (0, 1] (got {self.top_p})")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidArgument(f"max_tokens must be >= 1 (got {self.max_tokens})")
-        if any(not s for s in self.stop):
-            raise InvalidArgument("stop strings must not be empty")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise InvalidArgument(f"seed must be in [0, 2**64) (got {self.seed})")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_BELOW
+from aserve.types.generation import SamplingParams
 
 
 def make_generator(seed: int | None) -> torch.Generator:

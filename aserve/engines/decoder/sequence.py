@@ -2,22 +2,19 @@
 
 A :class:`Sequence` is created by :meth:`DecoderEngine.new_sequence` and from
 then on touched only by the executor thread that runs the engine: the loop
-reads the :class:`StepOutput` values posted back, never the sequence itself.
+reads the :class:`~aserve.types.generation.StepOutput` values posted back,
+never the sequence itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from aserve.engines.decoder.detokenizer import IncrementalDetokenizer
-from aserve.engines.decoder.sampling import SamplingParams
 from aserve.engines.decoder.stop import StopMatcher
-
-FinishReason = Literal["stop", "length"]
-""""stop": an end token or stop string; "length": max_tokens or max_model_len reached."""
+from aserve.types.generation import FinishReason, SamplingParams
 
 
 @dataclass(eq=False)
@@ -27,9 +24,11 @@ class Sequence:
     params: SamplingParams
     max_tokens: int  # the request's max_tokens, or the default, clamped to what fits
     stop_token_ids: frozenset[int]  # EOS (unless ignore_eos) and the request's own
-    generator: torch.Generator
-    detokenizer: IncrementalDetokenizer
-    stop: StopMatcher
+    # Made by the engine when the sequence starts, where the steps run (the step
+    # thread, or the step process): the server's side never needs them.
+    generator: torch.Generator = field(init=False, repr=False)
+    detokenizer: IncrementalDetokenizer = field(init=False, repr=False)
+    stop: StopMatcher = field(init=False, repr=False)
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # KV-cache slot while running
     finish_reason: FinishReason | None = None
@@ -51,28 +50,3 @@ class Sequence:
     def completion_tokens(self) -> int:
         """Generated tokens, an end token included (as OpenAI's usage counts them)."""
         return len(self.output_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    """What one step produced for one sequence.
-
-    ``text`` is the newly complete text (possibly "" while a character or a
-    possible stop string is held back); once ``finished``, everything held
-    has been released and the sequence's slot is free. The token counts are
-    the totals so far, for usage reports. A member that failed on its own has
-    ``error`` set (and ``finished``, with no ``finish_reason``).
-    """
-
-    request_id: str
-    token_id: int
-    text: str
-    finished: bool
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    # Set when this sequence alone failed the step (its slot is free, it is
-    # finished); the other sequences of the step went on. ``error_code`` is an
-    # :class:`aserve.errors.ErrorCode` value.
-    error: str | None = None
-    error_code: str = "internal"

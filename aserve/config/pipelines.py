@@ -5,11 +5,14 @@ whether each step finds the tensors it needs (with the right datatypes) and
 whether the pipeline's outputs get produced can only be judged with the whole
 config in hand, so these checks run after the schema is validated. Every
 message starts with the JSON path of what to fix.
+
+Layer ``config``: pure (no files, no engines), part of loading a config
+(:func:`aserve.config.load.parse_config` calls :func:`check_pipelines`).
 """
 
 from __future__ import annotations
 
-from aserve.config import ModelConfig, ServerConfig
+from aserve.config.schema import ModelConfig, ServerConfig
 
 
 def step_target(config: ServerConfig, name: str, version: str | None) -> ModelConfig | None:

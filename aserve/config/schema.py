@@ -1,29 +1,31 @@
-"""The JSON config: frozen pydantic models, loading and error formatting.
+"""The JSON config's schema: frozen pydantic models, one per block.
 
-A config is immutable once loaded. Unknown keys are errors. Every error names
-its JSON path (``models[0].batching.max_batch_size: must be >= 1``) so that
-the CLI can print it and exit with status 2, no traceback.
+Layer ``config`` (above ``types`` and ``errors`` only): pure values, validated
+once when a config is loaded and read anywhere afterwards (loop, executor
+threads, child processes get them as dicts). A config is immutable once
+loaded. Unknown keys are errors. Checks that need files, engines or handler
+modules are :mod:`aserve.config.checks`'s; reading files and formatting
+errors is :mod:`aserve.config.load`'s.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from aserve import archive
-from aserve.codecs.datatypes import DATATYPES
+from aserve.types.tensors import DATATYPES
 
 Datatype = Literal[
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
@@ -189,9 +191,13 @@ class GenerationConfig(_Frozen):
     the server's HTTP and gRPC work never slows a step down; false runs them
     on a thread of the server process (less memory, one process fewer)."""
 
-    @property
+    @cached_property
     def prompt_bytes_limit(self) -> int:
-        """``max_prompt_bytes``, or what it defaults to."""
+        """``max_prompt_bytes``, or what it defaults to.
+
+        Computed once, when the config is validated: every generation request
+        reads it on the loop, where a property would be a call per request.
+        """
         return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
 
     @model_validator(mode="after")
@@ -201,7 +207,16 @@ class GenerationConfig(_Frozen):
                 f"max_tokens_default ({self.max_tokens_default}) must be <= "
                 f"max_tokens_cap ({self.max_tokens_cap})"
             )
+        self.prompt_bytes_limit  # noqa: B018  (cached now, not on the first request)
         return self
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy whose ``prompt_bytes_limit`` follows the updated fields, not the
+        cached value of this one."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy.__dict__.pop("prompt_bytes_limit", None)
+        copy.prompt_bytes_limit  # noqa: B018
+        return copy
 
 
 # Engines whose models are not a weights file.
@@ -461,152 +476,3 @@ class ServerConfig(_Frozen):
                 raise ValueError(f"model '{m.name}' version '{m.version}' is configured twice")
             seen.add(m.key)
         return self
-
-
-class ConfigError(Exception):
-    """A config that cannot be used; the message names the JSON path."""
-
-
-def load_config(path: str | Path) -> tuple[ServerConfig, Path]:
-    """Read and validate a config file; returns it and the folder paths resolve against."""
-    config, base_dir, _ = read_config(path)
-    return config, base_dir
-
-
-def read_config(path: str | Path) -> tuple[ServerConfig, Path, bytes]:
-    """:func:`load_config`, plus the file's bytes (a reload compares them)."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-    # The folder of the path as given, symlinks kept: a Kubernetes ConfigMap's file is a
-    # symlink into a timestamped folder that the next update deletes.
-    base_dir = path.absolute().parent
-    return parse_config(data, source=str(path), base_dir=base_dir), base_dir, raw
-
-
-def check_model_files(config: ServerConfig, base_dir: Path) -> None:
-    """Every model's ``path`` must exist (relative paths resolve against ``base_dir``),
-    and every python handler must import. Blocking (imports user code): call off the loop."""
-    from aserve import builtin_models
-    from aserve.engines.requirements import engine_problem
-
-    problems = []
-    handler_folders: dict[str, tuple[int, Path]] = {}  # top-level module -> first model, folder
-    for i, m in enumerate(config.models):
-        folder = m.folder(base_dir)
-        module = (m.handler or "").partition(":")[0].partition(".")[0]
-        local = module and ((folder / f"{module}.py").is_file() or (folder / module).is_dir())
-        first = handler_folders.setdefault(module, (i, folder)) if local else (i, folder)
-        if first[1] != folder:
-            # A process imports a module name once: the second folder's would never load.
-            problems.append(
-                f"models[{i}].handler: module '{module}' is models[{first[0]}]'s too, from "
-                f"another folder ({first[1]}); one server imports a module name once: rename one"
-            )
-            continue
-        if m.path is None:
-            pass
-        elif m.path.startswith(builtin_models.PREFIX):
-            name = m.path[len(builtin_models.PREFIX) :]
-            builtin = builtin_models.BUILDERS.get(name)
-            if builtin is None:
-                known = ", ".join(sorted(builtin_models.BUILDERS))
-                problems.append(
-                    f"models[{i}].path: unknown builtin model '{name}' (known: {known})"
-                )
-            elif builtin.engine != m.engine:
-                problems.append(
-                    f"models[{i}].engine: '{m.path}' is served by the {builtin.engine} engine "
-                    f"(got '{m.engine}')"
-                )
-        elif m.engine == "decoder":
-            if not (folder / m.path / "config.json").is_file():
-                problems.append(
-                    f"models[{i}].path: not a model folder (no config.json): {folder / m.path}"
-                )
-        elif not (folder / m.path).is_file():
-            problems.append(f"models[{i}].path: file not found: {folder / m.path}")
-        problem = engine_problem(m.engine, m.device)
-        if problem:
-            problems.append(f"models[{i}].engine: {problem}")
-        if m.handler is not None:
-            from aserve.engines.python_handler import HandlerImportError, import_handler
-
-            try:
-                import_handler(m.handler, folder)
-            except HandlerImportError as exc:
-                problems.append(f"models[{i}].handler: {exc}")
-    if problems:
-        raise ConfigError("invalid config\n  " + "\n  ".join(problems))
-
-
-def parse_config(data: Any, source: str = "config", base_dir: Path | None = None) -> ServerConfig:
-    """Validate decoded JSON into a :class:`ServerConfig`. With ``base_dir`` (the
-    config's folder), model entries whose ``path`` is an ``.aserve`` archive are
-    verified, extracted and replaced by the archive's model (blocking)."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a JSON object")
-    if base_dir is not None:
-        data = _expand_archives(data, base_dir, source)
-    try:
-        config = ServerConfig.model_validate(data)
-    except ValidationError as exc:
-        lines = [f"{_json_path(e['loc'])}: {_message(e)}" for e in exc.errors()]
-        raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines)) from None
-    from aserve.pipeline_config import check_pipelines  # needs the classes above
-
-    lines = check_pipelines(config)
-    if lines:
-        raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines))
-    return config
-
-
-def _expand_archives(data: dict[str, Any], base_dir: Path, source: str) -> dict[str, Any]:
-    models = data.get("models")
-    if not isinstance(models, list):
-        return data
-    expanded = []
-    for i, m in enumerate(models):
-        if isinstance(m, dict) and str(m.get("path", "")).endswith(archive.SUFFIX):
-            try:
-                m = archive.expand_entry(m, base_dir)
-            except archive.ArchiveError as exc:
-                raise ConfigError(f"{source}: invalid config\n  models[{i}].path: {exc}") from None
-        expanded.append(m)
-    return {**data, "models": expanded}
-
-
-def _json_path(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "(top level)"
-
-
-def _message(err: Any) -> str:
-    kind, ctx = err["type"], err.get("ctx") or {}
-    if kind == "greater_than_equal":
-        return f"must be >= {ctx['ge']} (got {err['input']!r})"
-    if kind == "greater_than":
-        return f"must be > {ctx['gt']} (got {err['input']!r})"
-    if kind == "less_than_equal":
-        return f"must be <= {ctx['le']} (got {err['input']!r})"
-    if kind == "extra_forbidden":
-        return "unknown key"
-    if kind == "missing":
-        return "required key is missing"
-    if kind == "string_pattern_mismatch" and err["loc"][-1] == "handler":
-        return f"{err['input']!r} is not 'package.module:ClassName'"
-    if kind == "string_pattern_mismatch":
-        return f"{err['input']!r} is not a valid name (letters, digits, '_', '.', '-')"
-    msg: str = err["msg"]
-    return msg.removeprefix("Value error, ")

@@ -12,6 +12,12 @@ under a name no other builder uses and renames into place, so a reader never
 sees half a file (a folder is built under a temporary name and renamed
 whole); and scripting itself is one thread at a time, because two
 threads scripting one class race inside TorchScript ("Can't redefine method").
+
+Layer ``engines``: the builders import torch (and the decoder engine) only
+when they build, so that checking a config (:mod:`aserve.config.checks`
+reads :data:`BUILDERS`) does not import torch. The ``builtin:`` prefix and the
+cache folder are the config layer's (:mod:`aserve.config.paths`). Blocking:
+``locate`` and ``resolve`` run off the loop.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PREFIX = "builtin:"
+from aserve.config.paths import PREFIX, cache_dir
+
+# The builders import torch where they build: heavy, and not needed to check a config.
 
 
 def affine() -> Any:
@@ -88,11 +96,6 @@ BUILDERS: dict[str, Builtin] = {
 }
 
 _SCRIPTING = threading.Lock()  # torch.jit.script is not safe to run on two threads at once
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("ASERVE_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "aserve"
 
 
 def locate(path: str, base_dir: Path) -> Path:

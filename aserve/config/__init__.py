@@ -1,0 +1,53 @@
+"""The JSON config: its schema (:mod:`.schema`) and reading it (:mod:`.load`).
+
+Layer ``config``, above ``types`` and ``errors`` only. ``from aserve.config
+import ModelConfig, parse_config`` keeps working for every name of those two
+modules. The checks that need files, engines and handler modules live in
+:mod:`aserve.config.checks`, which sits above the engines and is imported by
+the commands, the CLI and a reload only, never from here.
+"""
+
+from __future__ import annotations
+
+from aserve.config.load import ConfigError, load_config, parse_config, read_config
+from aserve.config.schema import (
+    PROMPT_BYTES_PER_TOKEN,
+    AuthConfig,
+    BatchingConfig,
+    DashboardConfig,
+    Datatype,
+    GenerationConfig,
+    GpuConfig,
+    GrpcConfig,
+    HttpConfig,
+    LimitsConfig,
+    LoggingConfig,
+    ModelConfig,
+    PipelineStep,
+    ServerConfig,
+    TensorSpec,
+    TlsConfig,
+)
+
+__all__ = [
+    "PROMPT_BYTES_PER_TOKEN",
+    "AuthConfig",
+    "BatchingConfig",
+    "ConfigError",
+    "DashboardConfig",
+    "Datatype",
+    "GenerationConfig",
+    "GpuConfig",
+    "GrpcConfig",
+    "HttpConfig",
+    "LimitsConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "PipelineStep",
+    "ServerConfig",
+    "TensorSpec",
+    "TlsConfig",
+    "load_config",
+    "parse_config",
+    "read_config",
+]

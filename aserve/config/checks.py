@@ -1,0 +1,70 @@
+"""Checks of a config that need more than the config: files, engines, handler modules.
+
+Above the ``engines`` layer (it asks the engines what this machine can serve
+and imports python handlers), so only the commands, the CLI and a reload
+import it, never :mod:`aserve.config` itself. Blocking, and it imports user
+code: call it before the server starts or off the loop (a reload runs it in
+a thread).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aserve.config.load import ConfigError
+from aserve.config.paths import PREFIX
+from aserve.config.schema import ServerConfig
+from aserve.engines.builtin import BUILDERS
+from aserve.engines.python_handler import HandlerImportError, import_handler
+from aserve.engines.requirements import engine_problem
+
+
+def check_model_files(config: ServerConfig, base_dir: Path) -> None:
+    """Every model's ``path`` must exist (relative paths resolve against ``base_dir``),
+    and every python handler must import. Blocking (imports user code): call off the loop."""
+    problems = []
+    handler_folders: dict[str, tuple[int, Path]] = {}  # top-level module -> first model, folder
+    for i, m in enumerate(config.models):
+        folder = m.folder(base_dir)
+        module = (m.handler or "").partition(":")[0].partition(".")[0]
+        local = module and ((folder / f"{module}.py").is_file() or (folder / module).is_dir())
+        first = handler_folders.setdefault(module, (i, folder)) if local else (i, folder)
+        if first[1] != folder:
+            # A process imports a module name once: the second folder's would never load.
+            problems.append(
+                f"models[{i}].handler: module '{module}' is models[{first[0]}]'s too, from "
+                f"another folder ({first[1]}); one server imports a module name once: rename one"
+            )
+            continue
+        if m.path is None:
+            pass
+        elif m.path.startswith(PREFIX):
+            name = m.path[len(PREFIX) :]
+            builtin = BUILDERS.get(name)
+            if builtin is None:
+                known = ", ".join(sorted(BUILDERS))
+                problems.append(
+                    f"models[{i}].path: unknown builtin model '{name}' (known: {known})"
+                )
+            elif builtin.engine != m.engine:
+                problems.append(
+                    f"models[{i}].engine: '{m.path}' is served by the {builtin.engine} engine "
+                    f"(got '{m.engine}')"
+                )
+        elif m.engine == "decoder":
+            if not (folder / m.path / "config.json").is_file():
+                problems.append(
+                    f"models[{i}].path: not a model folder (no config.json): {folder / m.path}"
+                )
+        elif not (folder / m.path).is_file():
+            problems.append(f"models[{i}].path: file not found: {folder / m.path}")
+        problem = engine_problem(m.engine, m.device)
+        if problem:
+            problems.append(f"models[{i}].engine: {problem}")
+        if m.handler is not None:
+            try:
+                import_handler(m.handler, folder)
+            except HandlerImportError as exc:
+                problems.append(f"models[{i}].handler: {exc}")
+    if problems:
+        raise ConfigError("invalid config\n  " + "\n  ".join(problems))
