@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from aserve.engines.executor import BatchJob, ExecutorPool
+from aserve.workers.thread_pool import BatchJob, ExecutorPool
 
 
 class _Engine:

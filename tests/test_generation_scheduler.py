@@ -10,12 +10,12 @@ import pytest
 
 from aserve.config import GenerationConfig
 from aserve.engines.decoder import StepOutput
-from aserve.engines.step_executor import StepJob
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull
-from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
-from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
+from aserve.loop.continuous import ContinuousBatcher, GenerationRequest
+from aserve.sched.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.stats import ModelStats
 from aserve.streaming.channel import TokenChannel
+from aserve.workers.step_executor import StepJob
 
 LIMITS = StepLimits(max_num_seqs=4, max_prefill_tokens=100)
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from aserve.config import BatchingConfig
-from aserve.engines.executor import ExecutorPool
 from aserve.errors import DeadlineExceeded, Unavailable
+from aserve.loop.batcher import Batcher
+from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
-from aserve.scheduler.batcher import Batcher
-from aserve.scheduler.latency import AdmissionMargin, ArrivalRate, LatencyModel
-from aserve.scheduler.loop_lag import LoopLag
-from aserve.scheduler.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
+from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
+from aserve.sched.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
 from aserve.stats import ModelStats
+from aserve.workers.thread_pool import ExecutorPool
 
 LIMITS = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[8, 16, 32])
 

@@ -2,7 +2,7 @@
 
 Everything in this package except ``create_engine`` runs on executor threads
 (or, for ``load``/``unload``, in a worker thread during startup/shutdown) and
-never touches asyncio objects: results go back through ``aserve.loop.handoff``.
+never touches asyncio objects: results go back through ``aserve.workers.handoff``.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class Engine(abc.ABC):
         (``"executor": "process"``): nothing, for engines that only ``run``."""
 
     def load_worker(self) -> None:
-        """``load``, in a worker process (see :mod:`aserve.engines.process_pool`)."""
+        """``load``, in a worker process (see :mod:`aserve.workers.batch_process`)."""
         self.load()
 
     def create_instance(self, index: int) -> Any:

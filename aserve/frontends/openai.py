@@ -52,8 +52,8 @@ from aserve.streaming.http_stream import json_stream
 from aserve.streaming.sse import DONE
 
 if TYPE_CHECKING:
+    from aserve.loop.continuous import GenerationRequest
     from aserve.loop.runtime import Server
-    from aserve.scheduler.continuous import GenerationRequest
 
 _TYPES = {
     ErrorCode.INVALID_ARGUMENT: "invalid_request_error",

@@ -31,13 +31,13 @@ from aserve.codecs.sampling import sampling_from_parameters
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines.decoder import DecoderEngine, SamplingParams, Tokenizer
 from aserve.engines.decoder import Sequence as EngineSequence
-from aserve.engines.step_executor import StepExecutor
-from aserve.engines.step_process import ProcessStepExecutor, WorkerArgs
 from aserve.errors import InvalidArgument, TooLarge, Unavailable
+from aserve.loop.continuous import ContinuousBatcher, GenerationRequest
 from aserve.loop.model import ModelState
 from aserve.loop.prompt_size import BODY_SLACK_BYTES, body_limit, check_prompt_size
-from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
 from aserve.stats import ModelStats
+from aserve.workers.step_executor import StepExecutor
+from aserve.workers.step_process import ProcessStepExecutor, WorkerArgs
 
 if TYPE_CHECKING:
     from aserve.loop.registry import ModelRegistry

@@ -2,7 +2,7 @@
 
 Runs on the event loop only; the decisions come from :mod:`.step_policy`.
 Exactly one engine step is in flight at a time, on the model's step thread
-(:class:`aserve.engines.step_executor.StepExecutor`). When it comes back,
+(:class:`aserve.workers.step_executor.StepExecutor`). When it comes back,
 the outputs go into each request's :class:`~aserve.streaming.channel.TokenChannel`
 and the next step is formed at once: finished, cancelled and expired
 sequences have left, waiting ones are admitted as slots and the prefill
@@ -28,7 +28,6 @@ from typing import Any, Protocol
 
 from aserve.config import GenerationConfig
 from aserve.engines.decoder import Sequence, StepOutput
-from aserve.engines.step_executor import StepJob
 from aserve.errors import (
     AserveError,
     DeadlineExceeded,
@@ -39,9 +38,10 @@ from aserve.errors import (
     Unavailable,
 )
 from aserve.logs import CURRENT
-from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
+from aserve.sched.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.stats import ModelStats
 from aserve.streaming.channel import Delta, TokenChannel
+from aserve.workers.step_executor import StepJob
 
 log = logging.getLogger("aserve.continuous")
 

@@ -3,7 +3,7 @@
 The continuous batcher (on the loop) submits one :class:`StepJob` at a time:
 sequences to free, sequences to prefill, sequences to decode. The thread
 frees, steps, and posts the job back through
-:func:`aserve.loop.handoff.post_threadsafe`; the job's ``on_done`` then runs
+:func:`aserve.workers.handoff.post_threadsafe`; the job's ``on_done`` then runs
 on the loop. The thread owns the engine's KV cache and every started
 sequence, and never touches an asyncio object.
 """
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aserve.engines.decoder import DecoderEngine, Sequence, StepOutput
-from aserve.loop.handoff import post_threadsafe
+from aserve.workers.handoff import post_threadsafe
 
 log = logging.getLogger("aserve.executor")
 

@@ -10,14 +10,14 @@ In a child process the steps and the loop run on two cores without meeting.
 The parent keeps the engine's front (tokenizer and model shape, see
 :meth:`DecoderEngine.load_front`) to validate and build sequences on the
 loop. :class:`ProcessStepExecutor` has the interface of
-:class:`aserve.engines.step_executor.StepExecutor`: the continuous batcher
+:class:`aserve.workers.step_executor.StepExecutor`: the continuous batcher
 submits one :class:`StepJob` at a time and gets it back through its
 ``on_done``, on the loop. The job crosses a pipe as msgpack: new sequences
 as their validated settings (the child rebuilds them with
 :meth:`DecoderEngine.build_sequence`), the others by a key; outputs come back
 as plain fields. There is no thread on the parent side: the loop writes the
 request and reads the answer through the pipe's transport
-(:mod:`aserve.engines.pipe`).
+(:mod:`aserve.workers.pipe`).
 
 The child owns the weights, the KV cache and every started sequence. It
 ignores SIGINT/SIGTERM (the server drains first, then stops it) and exits
@@ -43,12 +43,12 @@ from typing import Any
 import msgpack
 
 from aserve.config import GenerationConfig
-from aserve.engines import child_process
 from aserve.engines.decoder import DecoderEngine, SamplingParams, Sequence, StepOutput
 from aserve.engines.gpu_memory import CacheReleaser
-from aserve.engines.pipe import PipeChannel, open_channel
-from aserve.engines.step_executor import StepJob
 from aserve.errors import InvalidArgument
+from aserve.workers import supervisor
+from aserve.workers.pipe import PipeChannel, open_channel
+from aserve.workers.step_executor import StepJob
 
 log = logging.getLogger("aserve.executor")
 
@@ -114,14 +114,14 @@ class ProcessStepExecutor:
         loop = self._loop
         assert loop is not None
         self._starting = starting = loop.create_future()
-        proc, parent = child_process.start(worker_main, (self.args,), f"aserve-{self.name}-steps")
+        proc, parent = supervisor.start(worker_main, (self.args,), f"aserve-{self.name}-steps")
         self._proc = proc
         self._channel = await open_channel(parent, self._on_message, self._on_exit)
         try:
             await starting
         except BaseException:
             self._drop_child()
-            await asyncio.to_thread(child_process.reap, proc, 5.0)
+            await asyncio.to_thread(supervisor.reap, proc, 5.0)
             raise
         finally:
             self._starting = None
@@ -189,7 +189,7 @@ class ProcessStepExecutor:
                 pass
         self._drop_child()  # closes the channel once what was queued is written
         if proc is not None:
-            await asyncio.to_thread(child_process.reap, proc, timeout)
+            await asyncio.to_thread(supervisor.reap, proc, timeout)
 
     # --- answers, on the loop ------------------------------------------------------
 
@@ -265,12 +265,12 @@ class ProcessStepExecutor:
                 return
             old = self._proc
             if old is not None:
-                await asyncio.to_thread(child_process.reap, old, 5.0)
+                await asyncio.to_thread(supervisor.reap, old, 5.0)
             try:
                 await self._spawn()
             except Exception as exc:
                 log.error("restarting the step process of '%s' failed: %s", self.name, exc)
-                await asyncio.sleep(child_process.restart_delay(attempt))
+                await asyncio.sleep(supervisor.restart_delay(attempt))
                 continue
             self.restarts += 1
             log.warning("step process of '%s' is back (restart %d)", self.name, self.restarts)
@@ -297,7 +297,7 @@ def _wire_spec(key: int, s: Sequence) -> tuple[Any, ...]:
 def worker_main(conn: Connection, args: WorkerArgs) -> None:
     """The child's whole life: load, then run steps until told to stop or the pipe closes."""
     try:
-        releaser = child_process.settle_child(args.device, args.gpu)
+        releaser = supervisor.settle_child(args.device, args.gpu)
         import torch
 
         torch.set_num_interop_threads(1)

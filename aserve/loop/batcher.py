@@ -28,12 +28,11 @@ from collections import deque
 from collections.abc import Callable
 
 from aserve.config import BatchingConfig
-from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
+from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
-from aserve.scheduler.latency import AdmissionMargin, ArrivalRate, LatencyModel
-from aserve.scheduler.loop_lag import LoopLag
-from aserve.scheduler.policy import (
+from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
+from aserve.sched.policy import (
     BatchLimits,
     QueueView,
     deadline_cap,
@@ -41,6 +40,7 @@ from aserve.scheduler.policy import (
     predicted_finish,
 )
 from aserve.stats import ModelStats
+from aserve.workers.thread_pool import BatchJob, ExecutorPool
 
 log = logging.getLogger("aserve.batcher")
 

@@ -2,7 +2,7 @@
 
 Parent side: :func:`start` and :func:`reap` a child, :func:`restart_delay`
 between failed restarts. Child side: :func:`settle_child`, the setup every
-child does first. The pipe between them is :mod:`aserve.engines.pipe`.
+child does first. The pipe between them is :mod:`aserve.workers.pipe`.
 """
 
 from __future__ import annotations

@@ -11,15 +11,15 @@ batch latencies that admission control predicts from swing. In a worker
 process the model and the loop run on two cores without meeting.
 
 :class:`ProcessPool` has the interface of
-:class:`aserve.engines.executor.ExecutorPool`: the batcher submits
+:class:`aserve.workers.thread_pool.ExecutorPool`: the batcher submits
 :class:`BatchJob` s only while an instance is free and gets each back through
 its ``on_done``, on the loop. One child per instance; each loads the engine
 itself (:meth:`Engine.load_worker`) and runs one batch at a time. A job
-crosses its pipe as msgpack (:mod:`aserve.engines.wire`): the requests'
+crosses its pipe as msgpack (:mod:`aserve.workers.wire`): the requests'
 arrays, unstacked, and the child stacks, runs and checks them as an
 executor thread would. There is no thread on the server side: the loop
 writes the job and reads the answer through the pipe's transport
-(:mod:`aserve.engines.pipe`).
+(:mod:`aserve.workers.pipe`).
 
 A child ignores SIGINT/SIGTERM (the server drains first, then stops it) and
 exits when its pipe closes, so it never outlives the server. If it dies, its
@@ -48,12 +48,12 @@ from typing import Any
 import msgpack
 
 from aserve.config import ModelConfig
-from aserve.engines import child_process
 from aserve.engines.base import Engine
-from aserve.engines.executor import BatchJob
 from aserve.engines.gpu_memory import CacheReleaser
-from aserve.engines.pipe import PipeChannel, open_channel
-from aserve.engines.wire import pack_arrays, unpack_arrays
+from aserve.workers import supervisor
+from aserve.workers.pipe import PipeChannel, open_channel
+from aserve.workers.thread_pool import BatchJob
+from aserve.workers.wire import pack_arrays, unpack_arrays
 
 log = logging.getLogger("aserve.executor")
 
@@ -129,7 +129,7 @@ class ProcessPool:
     async def _spawn(self, index: int) -> None:
         loop = self._loop
         assert loop is not None
-        proc, parent = child_process.start(
+        proc, parent = supervisor.start(
             worker_main, (self.spec, index), f"aserve-{self.name}-{index}"
         )
         child = _Child(index, proc)
@@ -142,17 +142,17 @@ class ProcessPool:
             )
         except BaseException:
             parent.close()
-            await asyncio.to_thread(child_process.reap, proc, 5.0)  # it exits on EOF
+            await asyncio.to_thread(supervisor.reap, proc, 5.0)  # it exits on EOF
             raise
         try:
             await ready
         except BaseException:
             self._close(child)
-            await asyncio.to_thread(child_process.reap, proc, 5.0)
+            await asyncio.to_thread(supervisor.reap, proc, 5.0)
             raise
         if self._stopping:
             self._close(child)
-            await asyncio.to_thread(child_process.reap, proc, 5.0)
+            await asyncio.to_thread(supervisor.reap, proc, 5.0)
             return
         child.up = True
         self._children[index] = child
@@ -218,7 +218,7 @@ class ProcessPool:
             except OSError:
                 pass
         await asyncio.gather(
-            *(asyncio.to_thread(child_process.reap, c.proc, timeout) for c in children)
+            *(asyncio.to_thread(supervisor.reap, c.proc, timeout) for c in children)
         )
         for child in children:
             # The channel stays open until the child's end closes, so that the
@@ -322,7 +322,7 @@ class ProcessPool:
     async def _restart(self, old: _Child) -> None:
         index = old.index
         # Reaped first, so that the error of its batch in flight can say how it ended.
-        await asyncio.to_thread(child_process.reap, old.proc, 5.0)
+        await asyncio.to_thread(supervisor.reap, old.proc, 5.0)
         reason = self._exit_reason(old)
         log.error("%s; restarting it", reason)
         self._fail_exited(old, reason)
@@ -333,7 +333,7 @@ class ProcessPool:
                 await self._spawn(index)
             except Exception as exc:
                 log.error("restarting worker process %d of '%s' failed: %s", index, self.name, exc)
-                await asyncio.sleep(child_process.restart_delay(attempt))
+                await asyncio.sleep(supervisor.restart_delay(attempt))
                 continue
             if self._stopping:
                 return
@@ -355,7 +355,7 @@ class ProcessPool:
 def worker_main(conn: Connection, spec: WorkerSpec, index: int) -> None:
     """The child's whole life: load, then run batches until told to stop or the pipe closes."""
     try:
-        releaser = child_process.settle_child(spec.config.device, spec.gpu)
+        releaser = supervisor.settle_child(spec.config.device, spec.gpu)
         engine = worker_engine(spec)
         engine.load_worker()
         instance = engine.create_instance(index)

@@ -2,7 +2,7 @@
 
 The loop submits a :class:`BatchJob`; whichever instance thread is free takes
 it, stacks the inputs, runs the engine and posts the outcome back through
-:func:`aserve.loop.handoff.post_threadsafe`. The batcher only submits while
+:func:`aserve.workers.handoff.post_threadsafe`. The batcher only submits while
 it knows an instance is free, so jobs never pile up in the thread queue.
 
 Tiny batches run on the loop instead. Handing a batch to a thread and back
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from aserve.engines.base import Engine
-from aserve.loop.handoff import post_threadsafe
+from aserve.workers.handoff import post_threadsafe
 
 log = logging.getLogger("aserve.executor")
 
