@@ -15,7 +15,7 @@ from aserve.errors import Unavailable
 from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
 from aserve.stats import ModelStats
-from aserve.workers.thread_pool import BatchJob
+from aserve.workers.job import BatchJob
 
 pytestmark = pytest.mark.timeout(30)
 

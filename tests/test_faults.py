@@ -20,7 +20,8 @@ from aserve.config import ModelConfig
 from aserve.engines.base import Engine
 from aserve.errors import InternalError
 from aserve.loop.model import ModelRuntime
-from aserve.workers.thread_pool import BatchJob, ExecutorPool
+from aserve.workers.job import BatchJob
+from aserve.workers.thread_pool import ExecutorPool
 
 pytestmark = pytest.mark.timeout(60)
 

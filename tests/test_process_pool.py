@@ -25,7 +25,7 @@ from reload_helpers import copy_handler, wait_log
 from aserve.config import ConfigError, ModelConfig, parse_config
 from aserve.engines.python_handler import PythonHandlerEngine
 from aserve.workers.batch_process import ProcessPool, WorkerSpec
-from aserve.workers.thread_pool import BatchJob
+from aserve.workers.job import BatchJob
 from aserve.workers.wire import WireError, pack_arrays, unpack_arrays
 
 pytestmark = pytest.mark.timeout(120)

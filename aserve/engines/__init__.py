@@ -1,8 +1,13 @@
-"""Engines run a model on a device; executors are the threads that call them.
+"""Engines run a model on a device: the worker side, which never imports asyncio.
 
-Everything in this package except ``create_engine`` runs on executor threads
-(or, for ``load``/``unload``, in a worker thread during startup/shutdown) and
-never touches asyncio objects: results go back through ``aserve.workers.handoff``.
+Layer: ``engines`` (above ``config``/``codecs``, below ``workers``). What is
+here runs wherever an executor calls it: on an executor thread of the server
+process, in a worker or step process (:mod:`aserve.workers.child`), or, for
+``load``/``unload``, in a worker thread during startup and shutdown; a CPU
+torch model's tiny batches may also run on the loop's thread
+(:class:`aserve.workers.thread_pool.ExecutorPool`, inline). Nothing here
+touches an asyncio object: executors (:mod:`aserve.workers`) take the jobs
+from the loop and hand the results back.
 """
 
 from __future__ import annotations

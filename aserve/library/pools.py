@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aserve.workers.batch_process import ProcessPool
-from aserve.workers.thread_pool import BatchJob
+from aserve.workers.job import BatchJob
 
 
 def spread(workers: int, devices: Sequence[str]) -> list[tuple[str, int]]:

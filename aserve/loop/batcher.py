@@ -1,6 +1,6 @@
 """The loop-side batcher of one model: queue, admission, timers, dispatch.
 
-Runs on the event loop only. The decisions come from :mod:`.policy`; this
+Runs on the event loop only. The decisions come from :mod:`aserve.sched.policy`; this
 module keeps the state they need and carries them out:
 
 - ``submit`` admits a request or refuses it at once (queue full, or its
@@ -40,7 +40,7 @@ from aserve.sched.policy import (
     predicted_finish,
 )
 from aserve.stats import ModelStats
-from aserve.workers.thread_pool import BatchJob, ExecutorPool
+from aserve.workers.job import BatchJob, Executor
 
 log = logging.getLogger("aserve.batcher")
 
@@ -65,7 +65,7 @@ class Batcher:
         self,
         label: str,
         batching: BatchingConfig,
-        pool: ExecutorPool,
+        pool: Executor[BatchJob],
         stats: ModelStats,
         clock: Callable[[], float] = time.monotonic,
         loop_lag: LoopLag | None = None,

@@ -1,6 +1,6 @@
 """The continuous batcher of one decoder model: iteration-level scheduling on the loop.
 
-Runs on the event loop only; the decisions come from :mod:`.step_policy`.
+Runs on the event loop only; the decisions come from :mod:`aserve.sched.step_policy`.
 Exactly one engine step is in flight at a time, on the model's step thread
 (:class:`aserve.workers.step_executor.StepExecutor`). When it comes back,
 the outputs go into each request's :class:`~aserve.streaming.channel.TokenChannel`
@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from aserve.config import GenerationConfig
 from aserve.engines.decoder import Sequence, StepOutput
@@ -41,7 +41,7 @@ from aserve.logs import CURRENT
 from aserve.sched.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.stats import ModelStats
 from aserve.streaming.channel import Delta, TokenChannel
-from aserve.workers.step_executor import StepJob
+from aserve.workers.job import Executor, StepJob
 
 log = logging.getLogger("aserve.continuous")
 
@@ -52,14 +52,6 @@ def _member_error(label: str, out: StepOutput) -> AserveError:
     if out.error_code == ErrorCode.INVALID_ARGUMENT.value:
         return InvalidArgument(f"model '{label}' refused the request: {out.error}")
     return InternalError(f"model '{label}' failed: {out.error}")
-
-
-class Executor(Protocol):
-    @property
-    def alive(self) -> bool:
-        """False while the engine is being replaced (a step process restarting)."""
-
-    def submit(self, job: StepJob) -> None: ...
 
 
 class State(enum.Enum):
@@ -157,7 +149,7 @@ class ContinuousBatcher:
         self,
         label: str,
         generation: GenerationConfig,
-        executor: Executor,
+        executor: Executor[StepJob],
         stats: ModelStats,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -166,6 +158,7 @@ class ContinuousBatcher:
         self.max_queue_size = generation.max_queue_size
         self.buffer_chunks = generation.stream_buffer_chunks
         self._executor = executor
+        executor.on_live = self.resume
         self._stats = stats
         self._clock = clock
         self._loop = asyncio.get_running_loop()
@@ -283,7 +276,7 @@ class ContinuousBatcher:
         if self._in_flight is not None or self._closed:
             return
         now = self._clock()
-        if not self._executor.alive:
+        if self._executor.live <= 0:
             self._hold_queue(now)
             return
         running = list(self._running.values())
@@ -402,8 +395,10 @@ class ContinuousBatcher:
         self._arm_timer(self._waiting[0].deadline if self._waiting else None)
 
     def resume(self) -> None:
-        """The engine is back (a new step process is up): steps run again."""
-        self._kick()
+        """The executor's ``live`` changed: once it is back (a new step process
+        is up), steps run again."""
+        if self._executor.live > 0:
+            self._kick()
 
     def _requeue(self, reqs: list[GenerationRequest]) -> None:
         """Sequences of a step that never reached the engine wait again, in order."""

@@ -83,7 +83,7 @@ class GenerationRuntime:
     def ready(self) -> bool:
         """Loaded, and its step process (if it has one) is up, not being restarted."""
         executor = self._executor
-        if isinstance(executor, ProcessStepExecutor) and not executor.alive:
+        if executor is not None and executor.live == 0:
             return False
         return self.state is ModelState.READY
 
@@ -111,9 +111,7 @@ class GenerationRuntime:
                 str(path), c.generation.model_dump(), c.device, c.dtype, c.cpu_threads, self.name,
                 gpu=self.gpu.model_dump(),
             )  # fmt: skip
-            executor = ProcessStepExecutor(
-                args, on_lost=self._on_sequences_lost, on_back=self._on_step_process_back
-            )
+            executor = ProcessStepExecutor(args, on_lost=self._on_sequences_lost)
         else:
             await asyncio.to_thread(engine.load)
             executor = StepExecutor(engine, self.name)
@@ -143,10 +141,6 @@ class GenerationRuntime:
     def _on_sequences_lost(self, error: BaseException) -> None:
         if self.batcher is not None:
             self.batcher.fail_running(error)
-
-    def _on_step_process_back(self) -> None:
-        if self.batcher is not None:
-            self.batcher.resume()
 
     # --- requests ---------------------------------------------------------------
 

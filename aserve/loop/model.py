@@ -26,7 +26,8 @@ from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
 from aserve.stats import ModelStats
 from aserve.workers.batch_process import ProcessPool, WorkerSpec
-from aserve.workers.thread_pool import BatchJob, ExecutorPool
+from aserve.workers.job import BatchJob
+from aserve.workers.thread_pool import ExecutorPool
 
 log = logging.getLogger("aserve.model")
 

@@ -1,7 +1,8 @@
-"""The one place where executor threads hand work back to the event loop.
+"""The one place where executor threads hand work back to the event loop (layer: workers).
 
 Executor threads never touch futures, streams or any asyncio object; they call
-:func:`post_threadsafe`, which schedules a plain callback on the loop.
+:func:`post_threadsafe`, which schedules a plain callback on the loop (or
+:func:`settle_threadsafe` for an instance's "ready" future).
 """
 
 from __future__ import annotations
@@ -26,3 +27,20 @@ def post_threadsafe(
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:
         log.debug("event loop closed; dropping a result from an executor thread")
+
+
+def settle_threadsafe(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None], error: BaseException | None
+) -> None:
+    """Settle ``fut`` (an instance's "ready" future) on ``loop``, from any thread:
+    with ``error``, or done when it is None. A future already settled stays as it is."""
+    post_threadsafe(loop, _settle, fut, error)
+
+
+def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

@@ -25,42 +25,14 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from aserve.engines.base import Engine
-from aserve.workers.handoff import post_threadsafe
+from aserve.workers.handoff import post_threadsafe, settle_threadsafe
+from aserve.workers.job import BatchJob
 
 log = logging.getLogger("aserve.executor")
-
-
-class BatchJob:
-    """One batch on its way to an instance thread and back.
-
-    ``on_done(job)`` is called on the loop after the thread filled in either
-    ``outputs`` or ``error`` and the timings. ``tag`` is the submitter's own
-    bookkeeping; the thread never reads it.
-    """
-
-    __slots__ = ("error", "infer_ns", "input_ns", "on_done", "outputs", "parts", "size", "tag")
-
-    def __init__(
-        self,
-        parts: Sequence[dict[str, np.ndarray]],
-        size: int,
-        on_done: Callable[[BatchJob], Any],
-        tag: Any = None,
-    ) -> None:
-        self.parts = parts
-        self.size = size
-        self.on_done = on_done
-        self.tag = tag
-        self.outputs: dict[str, np.ndarray] | None = None
-        self.error: BaseException | None = None
-        self.input_ns = 0
-        self.infer_ns = 0
 
 
 _STOP = object()
@@ -213,9 +185,9 @@ class ExecutorPool:
         except BaseException as exc:  # reported to start(), which fails the model load
             if not isinstance(exc, Exception):  # never re-raise SystemExit & co. on the loop
                 exc = RuntimeError(f"creating instance {index} raised {exc!r}")
-            post_threadsafe(loop, _settle, ready, exc)
+            settle_threadsafe(loop, ready, exc)
             return
-        post_threadsafe(loop, _settle, ready, None)
+        settle_threadsafe(loop, ready, None)
 
         engine = self.engine
         job: Any = None
@@ -250,12 +222,3 @@ def _run(engine: Engine, job: BatchJob, instance: Any) -> None:
         job.input_ns, job.infer_ns = t1 - t0, t2 - t1
     except Exception as exc:
         job.error = exc
-
-
-def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
