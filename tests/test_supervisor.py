@@ -41,7 +41,14 @@ class Owner:
             backoff=BACKOFF, sleep=sleep or self._sleep,
         )  # fmt: skip
 
-    def _message(self, msg: list[Any]) -> None:
+    def send(self, msg: tuple[Any, ...]) -> None:
+        assert self.sup.channel is not None
+        self.sup.channel.send(msgpack.packb(msg))
+
+    def _message(self, payload: bytes) -> None:
+        msg = msgpack.unpackb(payload)
+        if msg[0] == "fatal":  # an owner records it, for the exit reason
+            self.sup.fatal = msg[1]
         self.messages.append(msg)
         self.heard.set()
 
@@ -62,7 +69,7 @@ class Owner:
 
     async def echo(self, text: str) -> list[Any]:
         self.heard.clear()
-        self.sup.send(msgpack.packb(("echo", text)))
+        self.send(("echo", text))
         await asyncio.wait_for(self.heard.wait(), 30)
         return self.messages[-1]
 
@@ -83,7 +90,7 @@ async def test_a_child_that_dies_is_restarted_backing_off_between_failed_starts(
         assert await o.echo("a") == ["echo", 0, "a"]
         first = o.sup.pid
 
-        o.sup.send(msgpack.packb(("die",)))
+        o.send(("die",))
         await o.until(2)
         assert o.lives == [False, True]  # down at once, up once a start succeeded
         assert o.lost == ["the child 't' exited (exit code 3)"]  # told after it was reaped
@@ -92,7 +99,7 @@ async def test_a_child_that_dies_is_restarted_backing_off_between_failed_starts(
         assert o.sup.pid not in (None, first)
         assert await o.echo("b") == ["echo", 3, "b"]
 
-        o.sup.send(msgpack.packb(("die",)))  # a new death starts the backoff over
+        o.send(("die",))  # a new death starts the backoff over
         await o.until(4)
         assert o.lives == [False, True, False, True]
         assert o.delays == [0.25, 0.5, 0.25]
@@ -125,7 +132,7 @@ async def test_what_a_dying_child_said_is_in_the_reason(tmp_path: Path) -> None:
     o = Owner(tmp_path, ["ok"])
     await o.sup.start()
     try:
-        o.sup.send(msgpack.packb(("fatal",)))
+        o.send(("fatal",))
         await o.until(2)
         assert o.lost == ["the child 't' exited (exit code 4): SystemExit: bye"]
         assert o.delays == []  # the first restart worked: no wait
@@ -145,7 +152,7 @@ async def test_stop_cuts_a_restart_short_and_still_reports_what_was_lost(
 
     o = Owner(tmp_path, ["ok", "load_error"], sleep=held)
     await o.sup.start()
-    o.sup.send(msgpack.packb(("die",)))
+    o.send(("die",))
     await asyncio.wait_for(waiting.wait(), 30)  # the first restart failed; backing off
     assert o.lives == [False] and o.lost == ["the child 't' exited (exit code 3)"]
     await asyncio.wait_for(o.sup.stop(), 30)
@@ -156,6 +163,6 @@ async def test_stop_cuts_a_restart_short_and_still_reports_what_was_lost(
 async def test_stop_reads_the_answer_a_child_wrote_before_it_exited(tmp_path: Path) -> None:
     o = Owner(tmp_path, ["ok"])
     await o.sup.start()
-    o.sup.send(msgpack.packb(("echo", "last")))
+    o.send(("echo", "last"))
     await o.sup.stop()
     assert o.messages[-1] == ["echo", 0, "last"] and o.lives == []

@@ -45,16 +45,21 @@ from aserve.workers.job import BatchJob, Executor
 log = logging.getLogger("aserve.batcher")
 
 
-class _Running:
-    """A batch in an executor thread, as the loop tracks it."""
-
-    __slots__ = ("expected_end", "requests", "size", "started", "timer")
+class _Running(BatchJob):
+    """A batch in an executor, as the loop tracks it: it is the job it submits."""
 
     def __init__(
-        self, requests: list[InferenceRequest], size: int, started: float, expected_end: float
+        self,
+        requests: list[InferenceRequest],
+        size: int,
+        started: float,
+        expected_end: float,
+        on_done: Callable[[_Running], None],
     ):
-        self.requests = requests
+        self.parts = [r.inputs for r in requests]
         self.size = size
+        self.on_done = on_done
+        self.requests = requests
         self.started = started
         self.expected_end = expected_end
         self.timer: asyncio.TimerHandle | None = None
@@ -368,15 +373,15 @@ class Batcher:
             queue_ns += int(waited * 1e9)
             observe_queue(waited)
         self._stats.queue.add(queue_ns, len(picked))
-        running = _Running(picked, size, now, now + self.latency.estimate(size))
+        running = _Running(picked, size, now, now + self.latency.estimate(size), self._on_done)
         earliest = min(r.deadline for r in picked)
         running.timer = self._loop.call_later(earliest - now, self._expire_running, running)
         self._running.add(running)
-        self._pool.submit(BatchJob([r.inputs for r in picked], size, self._on_done, running))
+        self._pool.submit(running)
 
-    def _on_done(self, job: BatchJob) -> None:
-        """A batch came back from its executor thread (called on the loop)."""
-        running: _Running = job.tag
+    def _on_done(self, job: _Running) -> None:
+        """A batch came back from its executor (called on the loop)."""
+        running = job
         now = self._clock()
         self._running.discard(running)
         if running.timer is not None:

@@ -54,6 +54,23 @@ def _member_error(label: str, out: StepOutput) -> AserveError:
     return InternalError(f"model '{label}' failed: {out.error}")
 
 
+class _Step(StepJob):
+    """A step in the executor, as the loop tracks it: it is the job it submits."""
+
+    def __init__(
+        self,
+        new: list[GenerationRequest],
+        decode: list[GenerationRequest],
+        free: list[GenerationRequest],
+        on_done: Callable[[_Step], None],
+    ) -> None:
+        self.new = [r.sequence for r in new]
+        self.running = [r.sequence for r in decode]
+        self.free = [r.sequence for r in free]
+        self.on_done = on_done
+        self.reqs = new + decode  # in the order of the outputs
+
+
 class State(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -330,21 +347,15 @@ class ContinuousBatcher:
         if new:
             self._stats.queue.add(queue_ns, len(new))
         self._slots_held += len(new)
-        job = StepJob(
-            [r.sequence for r in new],
-            [r.sequence for r in decode],
-            [r.sequence for r in free],
-            self._on_step_done,
-            new + decode,
-        )
+        job = _Step(new, decode, free, self._on_step_done)
         self._in_flight = job
         self._executor.submit(job)
 
-    def _on_step_done(self, job: StepJob) -> None:
+    def _on_step_done(self, job: _Step) -> None:
         """A step came back from the thread (called on the loop)."""
         self._in_flight = None
         t0 = time.perf_counter_ns()
-        reqs: list[GenerationRequest] = job.tag
+        reqs = job.reqs
         if job.error is not None:
             self._step_failed(job, reqs)
         else:

@@ -91,7 +91,7 @@ class ProcessPool:
         sup = Supervisor(
             batch_main, (self.spec, index), f"worker process {index} of '{self.name}'",
             f"aserve-{self.name}-{index}", WorkerError,
-            on_message=lambda msg: self._on_message(child, msg),
+            on_message=lambda payload: self._on_message(child, payload),
             on_lost=lambda reason: self._on_lost(child, reason),
             on_live=lambda: self._on_child_live(child),
         )  # fmt: skip
@@ -150,8 +150,10 @@ class ProcessPool:
             self._finish(job)
             return
         child.job = job
+        channel = child.sup.channel
+        assert channel is not None  # the child is up
         try:
-            child.sup.send(message)
+            channel.send(message)
         except OSError as exc:  # the child is gone; its supervisor sees the EOF next
             child.job = None
             job.error = WorkerError(f"the worker process of '{self.name}' is gone: {exc}")
@@ -174,9 +176,12 @@ class ProcessPool:
 
     # --- answers, on the loop ------------------------------------------------------
 
-    def _on_message(self, child: _Child, msg: list[Any]) -> None:
+    def _on_message(self, child: _Child, payload: bytes) -> None:
+        msg = msgpack.unpackb(payload, use_list=True)
         kind = msg[0]
-        if kind == "ready":
+        if kind == "fatal":  # it is dying: the supervisor's exit reason says why
+            child.sup.fatal = msg[1]
+        elif kind == "ready":
             self._take_metrics(msg, 1)
         else:
             self._take_metrics(msg, 4 if kind == "ok" else 2)

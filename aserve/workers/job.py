@@ -61,9 +61,21 @@ class BatchJob:
     ``on_done(job)`` is called on the loop after the instance filled in either
     ``outputs`` or ``error`` and the timings. ``tag`` is the submitter's own
     bookkeeping; the instance never reads it.
+
+    The outcome fields start as class defaults, so that a submitter's own
+    subclass (the batcher's record of a running batch *is* its job) sets only
+    ``parts``, ``size`` and ``on_done``: one object and one ``__init__`` per
+    batch, not two.
     """
 
-    __slots__ = ("error", "infer_ns", "input_ns", "on_done", "outputs", "parts", "size", "tag")
+    parts: Sequence[dict[str, np.ndarray]]
+    size: int
+    on_done: Callable[[Any], Any]
+    tag: Any = None
+    outputs: dict[str, np.ndarray] | None = None
+    error: BaseException | None = None
+    input_ns = 0
+    infer_ns = 0
 
     def __init__(
         self,
@@ -76,10 +88,6 @@ class BatchJob:
         self.size = size
         self.on_done = on_done
         self.tag = tag
-        self.outputs: dict[str, np.ndarray] | None = None
-        self.error: BaseException | None = None
-        self.input_ns = 0
-        self.infer_ns = 0
 
 
 class StepJob:
@@ -91,19 +99,18 @@ class StepJob:
     per sequence of ``new + running``, in that order, unless ``error`` is set
     (``not_run`` too when the step never reached the engine).
     ``tag`` is the submitter's own bookkeeping; the executor never reads it.
+    The outcome fields start as class defaults, as :class:`BatchJob`'s do.
     """
 
-    __slots__ = (
-        "error",
-        "free",
-        "infer_ns",
-        "new",
-        "not_run",
-        "on_done",
-        "outputs",
-        "running",
-        "tag",
-    )
+    new: list[DecoderSequence]
+    running: list[DecoderSequence]
+    free: list[DecoderSequence]
+    on_done: Callable[[Any], Any]
+    tag: Any = None
+    outputs: Sequence[StepOutput] = ()
+    error: BaseException | None = None
+    not_run = False  # with error: the step never reached the engine
+    infer_ns = 0
 
     def __init__(
         self,
@@ -118,7 +125,3 @@ class StepJob:
         self.free = free
         self.on_done = on_done
         self.tag = tag
-        self.outputs: list[StepOutput] = []
-        self.error: BaseException | None = None
-        self.not_run = False  # with error: the step never reached the engine
-        self.infer_ns = 0

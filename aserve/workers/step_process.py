@@ -68,7 +68,7 @@ class ProcessStepExecutor:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sup = Supervisor(
             step_main, (args,), f"step process of '{self.name}'", f"aserve-{self.name}-steps",
-            StepProcessError, self._handle, self._lost, self._live_changed,
+            StepProcessError, self._on_message, self._lost, self._live_changed,
         )  # fmt: skip
         self._job: StepJob | None = None
         self._keys: dict[Sequence, int] = {}  # parent sequence -> the child's key
@@ -122,8 +122,10 @@ class ProcessStepExecutor:
             self._finish(job)
             return
         self._job = job
+        channel = self._sup.channel
+        assert channel is not None  # live
         try:
-            self._sup.send(payload)
+            channel.send(payload)
         except OSError as exc:  # the child is gone; on_lost follows once it is reaped
             self._job = None
             self._gone = True  # the batcher waits for on_live
@@ -150,8 +152,11 @@ class ProcessStepExecutor:
 
     # --- answers, on the loop ------------------------------------------------------
 
-    def _handle(self, msg: list[Any]) -> None:
-        if msg[0] == "ready" or self._stopping:
+    def _on_message(self, payload: bytes) -> None:
+        if self._stopping:
+            return
+        msg = msgpack.unpackb(payload, use_list=True)
+        if msg[0] == "ready":
             return
         job, self._job = self._job, None
         if job is None:

@@ -20,8 +20,12 @@ model's step process (:mod:`.step_process`) live the same life, kept here:
   the child to stop, wait for it (killed after ``timeout``), and read what
   it wrote before it exited.
 
-Every other message goes to ``on_message`` as the decoded list, in order.
-What runs in the child is :mod:`.child`.
+After the handshake the supervisor is off the path of the jobs: the
+channel hands every message (the ``ready`` one first) to the owner's
+``on_message`` as it came (msgpack bytes, in order), and the owner writes
+to :attr:`Supervisor.channel` itself. A ``("fatal", text)`` that comes then
+is the owner's to record in :attr:`Supervisor.fatal`. What runs in the
+child is :mod:`.child`.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class Supervisor:
         title: str,
         proc_name: str,
         error: type[Exception],
-        on_message: Callable[[list[Any]], None],
+        on_message: Callable[[bytes], None],
         on_lost: Callable[[str], None],
         on_live: Callable[[], None],
         backoff: Sequence[float] = RESTART_BACKOFF_S,
@@ -102,9 +106,10 @@ class Supervisor:
         self._backoff = backoff
         self._sleep = sleep
         self._proc: multiprocessing.process.BaseProcess | None = None
-        self._channel: PipeChannel | None = None
+        # The pipe to the child now; the owner sends its jobs here while ``up``.
+        self.channel: PipeChannel | None = None
         self._ready: asyncio.Future[None] | None = None  # while a start awaits the handshake
-        self._fatal = ""  # what the child said killed it, if it could
+        self.fatal = ""  # what the child said killed it, if it could
         self._lost = False  # it died up, and on_lost has not been told yet
         self._restart: asyncio.Task[None] | None = None
         self._stopping = False
@@ -120,13 +125,6 @@ class Supervisor:
         """Start the child; returns once it has loaded (or raises why not: no restart)."""
         await self._spawn()
 
-    def send(self, payload: bytes) -> None:
-        """Queue one message for the child; ``OSError`` once its pipe is closed."""
-        channel = self._channel
-        if channel is None:
-            raise BrokenPipeError(f"the {self.title} is not running")
-        channel.send(payload)
-
     async def stop(self, timeout: float = 10.0) -> None:
         """Let the child finish its job (answered as usual, through ``on_message``) and exit."""
         self._stopping = True
@@ -136,7 +134,7 @@ class Supervisor:
             # A replacement being started reaps what it started before it ends.
             await asyncio.gather(task, return_exceptions=True)
         self._tell_lost()  # died, and its restart was cut short before it was reaped
-        proc, channel = self._proc, self._channel
+        proc, channel = self._proc, self.channel
         if channel is not None:
             try:
                 channel.send(msgpack.packb(("stop",)))
@@ -159,7 +157,7 @@ class Supervisor:
         return (
             f"the {self.title} exited"
             + (f" (exit code {code})" if code is not None else "")
-            + (f": {self._fatal}" if self._fatal else "")
+            + (f": {self.fatal}" if self.fatal else "")
         )
 
     # --- the child's life ----------------------------------------------------------
@@ -167,11 +165,11 @@ class Supervisor:
     async def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
         proc, parent = start(self._target, self._args, self._proc_name)
-        self._proc, self._fatal = proc, ""
+        self._proc, self.fatal = proc, ""
         self._ready = ready = loop.create_future()
         try:
             try:
-                self._channel = await open_channel(parent, self._on_payload, self._on_closed)
+                self.channel = await open_channel(parent, self._on_payload, self._on_closed)
             except BaseException:
                 parent.close()
                 await asyncio.to_thread(reap, proc, 5.0)  # it exits on EOF
@@ -193,19 +191,25 @@ class Supervisor:
         log.info("%s is up (pid %d)", self.title, proc.pid)
 
     def _on_payload(self, payload: bytes) -> None:
+        """A message during the handshake (after it, they go to the owner directly)."""
         msg = msgpack.unpackb(payload, use_list=True)
         kind = msg[0]
         if kind == "fatal":
-            self._fatal = msg[1]
+            self.fatal = msg[1]
             return
         ready = self._ready
         if kind == "load_error":
             if ready is not None and not ready.done():
                 ready.set_exception(self._error(msg[1]))
             return
-        if kind == "ready" and ready is not None and not ready.done():
+        if kind != "ready":
+            log.error("the %s sent %r before it was ready", self.title, kind)
+            return
+        if ready is not None and not ready.done():
             ready.set_result(None)
-        self._on_message(msg)
+        if self.channel is not None:
+            self.channel.on_message = self._on_message
+        self._on_message(payload)
 
     def _on_closed(self) -> None:
         self._drop()
@@ -226,7 +230,7 @@ class Supervisor:
             self._on_lost(self.exit_reason())
 
     def _drop(self) -> None:
-        channel, self._channel = self._channel, None
+        channel, self.channel = self.channel, None
         if channel is not None:
             channel.close()
         self.up = False
