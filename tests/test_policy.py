@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from aserve.loop.request import InferenceRequest
 from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
 from aserve.sched.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
 from aserve.stats import ModelStats
+from aserve.workers.job import BatchJob, Executor
 from aserve.workers.thread_pool import ExecutorPool
 
 LIMITS = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[8, 16, 32])
@@ -272,6 +272,38 @@ class _Copy:
         return {"Y": inputs["X"]}
 
 
+class _Held:
+    """An Executor the test drives: one instance, and a batch runs (Y = X) only when
+    the test answers it. No thread: the batcher and its executor share the loop."""
+
+    def __init__(self) -> None:
+        self.jobs: list[BatchJob] = []
+        self.sizes: list[int] = []  # the batches answered, in order
+        self.on_live = None
+        self.restarts = 0
+        self.live = 1
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        pass
+
+    def submit(self, job: BatchJob) -> None:
+        self.jobs.append(job)
+
+    def answer(self) -> None:
+        """Run and answer the oldest batch."""
+        job = self.jobs.pop(0)
+        job.outputs = {"Y": np.concatenate([p["X"] for p in job.parts])}
+        self.sizes.append(job.size)
+        job.on_done(job)
+
+
+async def _one_pass() -> None:
+    await asyncio.sleep(0)  # one pass of the loop: the batcher pumps with call_soon
+
+
 def _request(clock: FakeClock, deadline_in: float) -> InferenceRequest:
     loop = asyncio.get_running_loop()
     now = clock()
@@ -323,44 +355,41 @@ async def test_an_idle_server_admits_a_burst_it_can_serve_after_a_storm():
     their spread; seconds later 32 requests sent together, which one batch serves well
     within their deadline, are all admitted and served."""
     clock = FakeClock()
-    engine = _Gated()
-    pool = ExecutorPool(engine, 1, "m")  # type: ignore[arg-type]
-    await pool.start()
-    try:
-        config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
-        batcher = Batcher(
-            "m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag()
-        )
-        for size in range(1, 33):  # 28 ms + 1 ms per item: a batch of 32 in 60 ms
-            batcher.latency.observe(size, 0.028 + 0.001 * size)
-        busy = _request(clock, 60.0)
-        batcher.submit(busy)  # holds the only instance through the storm
-        assert await asyncio.to_thread(engine.started.wait, 10)
-        for _ in range(6):  # six rounds of admitted requests that all miss (the model stalls)
-            missed = [_request(clock, 0.2) for _ in range(8)]
-            for r in missed:
-                batcher.submit(r)
-            clock.now += 0.3
-            for r in missed:
-                with pytest.raises(DeadlineExceeded):
-                    await asyncio.wait_for(r.future, 10)
-        stormy = batcher.margin.factor
-        assert stormy > 2.0
-        for _ in range(20):  # and the batches that did run were slow and erratic (a busy CPU)
-            for size, slow in ((1, 3.0), (2, 5.0), (4, 2.0), (8, 4.0)):
-                batcher.latency.observe(size, slow * (0.028 + 0.001 * size))
-        engine.gate.set()
-        await asyncio.wait_for(busy.future, 10)
-        clock.now += 3.0  # idle for a few seconds
-        burst = [_request(clock, 0.2) for _ in range(32)]
-        for r in burst:
-            batcher.submit(r)  # none refused
-        await asyncio.wait_for(asyncio.gather(*(r.future for r in burst)), 10)
-        assert engine.sizes[-1] == 32  # one batch
-        assert batcher.margin.factor < stormy  # and the margin fades
-    finally:
-        engine.gate.set()
-        await pool.stop()
+    pool = _Held()
+    config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
+    batcher = Batcher("m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag())
+    for size in range(1, 33):  # 28 ms + 1 ms per item: a batch of 32 in 60 ms
+        batcher.latency.observe(size, 0.028 + 0.001 * size)
+    busy = _request(clock, 60.0)
+    batcher.submit(busy)  # holds the only instance through the storm
+    await _one_pass()
+    assert len(pool.jobs) == 1
+    for _ in range(6):  # six rounds of admitted requests that all miss (the model stalls)
+        missed = [_request(clock, 0.2) for _ in range(8)]
+        for r in missed:
+            batcher.submit(r)
+        clock.now += 0.3
+        batcher._on_timer()  # the deadline timer, on the batcher's clock
+        for r in missed:
+            with pytest.raises(DeadlineExceeded):
+                r.future.result()
+    stormy = batcher.margin.factor
+    assert stormy > 2.0
+    for _ in range(20):  # and the batches that did run were slow and erratic (a busy CPU)
+        for size, slow in ((1, 3.0), (2, 5.0), (4, 2.0), (8, 4.0)):
+            batcher.latency.observe(size, slow * (0.028 + 0.001 * size))
+    pool.answer()
+    assert busy.future.done()
+    clock.now += 3.0  # idle for a few seconds
+    burst = [_request(clock, 0.2) for _ in range(32)]
+    for r in burst:
+        batcher.submit(r)  # none refused
+    await _one_pass()
+    pool.answer()
+    assert all(r.future.done() and r.future.exception() is None for r in burst)
+    assert pool.sizes[-1] == 32  # one batch
+    assert batcher.margin.factor < stormy  # and the margin fades
+    batcher.close()
 
 
 def test_loop_lag_counts_a_lasting_lag_and_forgets_a_single_pause():
@@ -421,54 +450,38 @@ async def test_a_burst_at_a_rested_server_is_admitted_on_one_batch_not_on_half_i
         await pool.stop()
 
 
-class _Gated(_Copy):
-    """Returns its input once ``gate`` opens; records the batch sizes it ran."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.started = threading.Event()  # a batch is held at the gate
-        self.sizes: list[int] = []
-
-    def run(self, inputs, instance):
-        self.started.set()
-        self.gate.wait(10)
-        self.sizes.append(len(inputs["X"]))
-        return {"Y": inputs["X"]}
-
-
 @pytest.mark.parametrize(
     ("head_ms", "shed"),
     [(150, True), (250, False)],  # room for a batch of 1 (of 8 waiting), or of 2
 )
 async def test_the_head_is_given_up_only_for_a_batch_under_a_quarter_of_the_queue(head_ms, shed):
     clock = FakeClock()
-    engine = _Gated()
-    pool = ExecutorPool(engine, 1, "m")  # type: ignore[arg-type]
-    await pool.start()
-    try:
-        config = BatchingConfig(max_batch_size=8, max_delay_ms=0)
-        batcher = Batcher(
-            "m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag()
-        )
-        busy = _request(clock, 10.0)
-        batcher.submit(busy)  # takes the only instance, held at the gate
-        assert await asyncio.to_thread(engine.started.wait, 10)
-        clock.now += 0.05  # the busy batch has run 50 ms when the others arrive
-        head = _request(clock, head_ms / 1000)
-        rest = [_request(clock, 10.0) for _ in range(7)]
-        for r in (head, *rest):
-            batcher.submit(r)
-        for size in range(1, 9):  # 100 ms per item, learned only now: all were admitted
-            batcher.latency.observe(size, 0.1 * size)
-        engine.gate.set()  # the busy batch ends now, at +50 ms: the head has head_ms - 50 left
-        await asyncio.wait_for(asyncio.gather(busy.future, *(r.future for r in rest)), 10)
-        if shed:
-            with pytest.raises(DeadlineExceeded, match="enough only for a batch of 1 while 8"):
-                head.future.result()
-            assert engine.sizes == [1, 7]
-        else:
+    pool = _Held()
+    assert isinstance(pool, Executor)
+    config = BatchingConfig(max_batch_size=8, max_delay_ms=0)
+    batcher = Batcher("m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag())
+    busy = _request(clock, 10.0)
+    batcher.submit(busy)
+    await _one_pass()
+    assert len(pool.jobs) == 1  # the busy batch has the only instance
+    clock.now += 0.05  # the busy batch has run 50 ms when the others arrive
+    head = _request(clock, head_ms / 1000)
+    rest = [_request(clock, 10.0) for _ in range(7)]
+    for r in (head, *rest):
+        batcher.submit(r)
+    for size in range(1, 9):  # 100 ms per item, learned only now: all were admitted
+        batcher.latency.observe(size, 0.1 * size)
+    await _one_pass()
+    assert len(pool.jobs) == 1  # they wait for the instance
+    pool.answer()  # the busy batch ends now, at +50 ms: the head has head_ms - 50 left
+    while pool.jobs:  # the rest run at once, the clock standing still
+        pool.answer()
+    assert busy.future.done() and all(r.future.done() for r in rest)
+    if shed:
+        with pytest.raises(DeadlineExceeded, match="enough only for a batch of 1 while 8"):
             head.future.result()
-            assert engine.sizes[:2] == [1, 2]  # the head, in the batch its time allows
-    finally:
-        engine.gate.set()
-        await pool.stop()
+        assert pool.sizes == [1, 7]
+    else:
+        head.future.result()
+        assert pool.sizes[:2] == [1, 2]  # the head, in the batch its time allows
+    batcher.close()
