@@ -1,7 +1,11 @@
 """The loop-side batcher of one model: queue, admission, timers, dispatch.
 
-Runs on the event loop only. The decisions come from :mod:`aserve.sched.policy`; this
-module keeps the state they need and carries them out:
+Layer: ``loop``; runs on the event loop only. It depends on the
+:class:`~aserve.workers.job.Executor` protocol, not on a concrete pool: a
+thread pool, worker processes or several device pools take its batches. The
+decisions come from :mod:`aserve.sched.policy` and the estimates from
+:mod:`aserve.sched.latency`; this module keeps the state they need and
+carries them out:
 
 - ``submit`` admits a request or refuses it at once (queue full, or its
   deadline cannot be met given the queue ahead and measured latencies).

@@ -1,8 +1,10 @@
 """The continuous batcher of one decoder model: iteration-level scheduling on the loop.
 
-Runs on the event loop only; the decisions come from :mod:`aserve.sched.step_policy`.
-Exactly one engine step is in flight at a time, on the model's step thread
-(:class:`aserve.workers.step_executor.StepExecutor`). When it comes back,
+Layer: ``loop``; runs on the event loop only; the decisions come from
+:mod:`aserve.sched.step_policy`. Exactly one engine step is in flight at a
+time, on the model's step executor (an :class:`~aserve.workers.job.Executor`:
+the step thread of :mod:`aserve.workers.step_executor` or the step process of
+:mod:`aserve.workers.step_process`). When it comes back,
 the outputs go into each request's :class:`~aserve.streaming.channel.TokenChannel`
 and the next step is formed at once: finished, cancelled and expired
 sequences have left, waiting ones are admitted as slots and the prefill

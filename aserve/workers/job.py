@@ -37,7 +37,9 @@ class Executor(Protocol[J]):
     instances replaced after dying.
 
     ``submit`` is called on the loop, never blocks and never calls
-    ``on_done`` from inside itself (a batcher must not be re-entered).
+    ``on_done`` from inside itself (a batcher must not be re-entered). It
+    usually hands the job off the loop; the thread pool alone may run a
+    measured-tiny batch inline, on the loop, before answering it later.
     """
 
     on_live: Callable[[], Any] | None

@@ -1,4 +1,4 @@
-"""The server's end of a child process's pipe, on the event loop.
+"""The server's end of a child process's pipe, on the event loop (layer: ``workers``).
 
 The child reads and writes its end as a plain, blocking
 :class:`multiprocessing.connection.Connection`. The server must not: watching

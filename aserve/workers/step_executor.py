@@ -1,5 +1,8 @@
 """The one executor thread of a decoder model: it runs the engine's steps.
 
+Layer: ``workers``. ``start``/``submit``/``stop`` run on the loop; the
+thread's side (``_main_threadsafe``) runs on its own thread.
+
 The continuous batcher (on the loop) submits one :class:`StepJob` at a time:
 sequences to free, sequences to prefill, sequences to decode. The thread
 frees, steps, and posts the job back through

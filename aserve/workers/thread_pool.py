@@ -1,11 +1,17 @@
 """Executor threads: the instances of one model on its device.
 
+Layer: ``workers``. The pool's ``start``/``submit``/``stop`` and its
+supervision run on the loop; each instance's ``_main_threadsafe`` on its
+own thread, which reaches the loop only through :mod:`.handoff`; and a tiny
+batch may run inline, on the loop's own thread (below).
+
 The loop submits a :class:`BatchJob`; whichever instance thread is free takes
 it, stacks the inputs, runs the engine and posts the outcome back through
 :func:`aserve.workers.handoff.post_threadsafe`. The batcher only submits while
 it knows an instance is free, so jobs never pile up in the thread queue.
 
-Tiny batches run on the loop instead. Handing a batch to a thread and back
+**Inline on the loop.** Tiny batches run on the loop instead
+(:meth:`ExecutorPool._run_inline_on_loop`). Handing a batch to a thread and back
 costs ~0.1-0.25 ms of wake-ups (and GIL hand-overs), several times what a
 tiny CPU model takes to run: the plain handler that calls such a model per
 request answers faster than any batcher that uses threads. So for an engine
@@ -102,18 +108,22 @@ class ExecutorPool:
         return ready
 
     def submit(self, job: BatchJob) -> None:
-        """Hand a batch to the next free instance, or run it now if it is tiny
-        (loop side; either way ``job.on_done`` is called later, on the loop)."""
-        if self._inline_instance is not None and self._fits_inline(job.size):
-            assert self._loop is not None
-            _run(self.engine, job, self._inline_instance)
-            self.inline_batches += 1
-            self._loop.call_soon(self._finished, job)
+        """Hand a batch to the next free instance thread, or, if it is tiny, run it
+        inline on the loop (loop side; either way ``job.on_done`` is called later,
+        on the loop)."""
+        if self._inline_instance is not None and self._inline.get(job.size.bit_length(), False):
+            self._run_inline_on_loop(job)
             return
         self._jobs.put(job)
 
-    def _fits_inline(self, size: int) -> bool:
-        return self._inline.get(size.bit_length(), False)
+    def _run_inline_on_loop(self, job: BatchJob) -> None:
+        """Stack, run and check ``job`` here, on the loop's thread, with the instance
+        created there: only batch-size classes measured under :data:`INLINE_MAX_NS`
+        come here. Answered through ``call_soon``, never from inside ``submit``."""
+        assert self._loop is not None
+        _run(self.engine, job, self._inline_instance)
+        self.inline_batches += 1
+        self._loop.call_soon(self._finished, job)
 
     def _finished(self, job: BatchJob) -> None:
         """Every batch comes back here (on the loop): learn its cost, then answer it."""
