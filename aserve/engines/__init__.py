@@ -22,6 +22,8 @@ from aserve.engines.base import Engine
 
 def create_engine(config: ModelConfig, model_path: Path) -> Engine:
     """The engine named by ``config.engine``; cheap, loads nothing yet."""
+    # Imported here, by name: each engine module imports its runtime (torch,
+    # onnxruntime, tensorrt), heavy and optional, that other engines never need.
     if config.engine == "torch":
         from aserve.engines.torch_engine import TorchEngine
 

@@ -76,7 +76,7 @@ def settle_child(device: str, gpu: dict[str, Any]) -> CacheReleaser | None:
     indices = cuda_indices([device])
     if not indices:
         return None
-    import torch
+    import torch  # here: only a child on a CUDA device needs it (a handler may not)
 
     config = GpuConfig(**gpu)
     apply_memory_limit(torch.cuda, config, indices)
