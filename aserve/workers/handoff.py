@@ -2,7 +2,9 @@
 
 Executor threads never touch futures, streams or any asyncio object; they call
 :func:`post_threadsafe`, which schedules a plain callback on the loop (or
-:func:`settle_threadsafe` for an instance's "ready" future).
+:func:`settle_threadsafe` for an instance's "ready" future). A thread that
+answers a job at a time takes a :func:`poster` once, when it starts, so that
+answering a job makes no call into this module.
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ def post_threadsafe(
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:
         log.debug("event loop closed; dropping a result from an executor thread")
+
+
+def poster(loop: asyncio.AbstractEventLoop) -> Callable[..., object]:
+    """``callback(*args)`` on ``loop``, for a thread that posts every job it runs:
+    ``loop.call_soon_threadsafe`` itself, bound once, when the thread starts.
+
+    Unlike :func:`post_threadsafe` it raises ``RuntimeError`` once the loop has
+    closed (the process is shutting down); the thread then ends, as nothing is
+    left to receive its results.
+    """
+    return loop.call_soon_threadsafe
 
 
 def settle_threadsafe(

@@ -6,7 +6,7 @@ thread's side (``_main_threadsafe``) runs on its own thread.
 The continuous batcher (on the loop) submits one :class:`StepJob` at a time:
 sequences to free, sequences to prefill, sequences to decode. The thread
 frees, steps, and posts the job back through
-:func:`aserve.workers.handoff.post_threadsafe`; the job's ``on_done`` then runs
+:mod:`aserve.workers.handoff`; the job's ``on_done`` then runs
 on the loop. The thread owns the engine's KV cache and every started
 sequence, and never touches an asyncio object.
 """
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aserve.engines.decoder import DecoderEngine, Sequence
-from aserve.workers.handoff import post_threadsafe, settle_threadsafe
+from aserve.workers.handoff import poster, settle_threadsafe
 from aserve.workers.job import StepJob
 
 log = logging.getLogger("aserve.executor")
@@ -92,6 +92,7 @@ class StepExecutor:
             return
         settle_threadsafe(loop, ready, None)
         perf = time.perf_counter_ns
+        post = poster(loop)
         while True:
             job = self._jobs.get()
             if job is _STOP:
@@ -104,4 +105,7 @@ class StepExecutor:
                 job.infer_ns = perf() - t0
             except Exception as exc:
                 job.error = exc
-            post_threadsafe(loop, job.on_done, job)
+            try:
+                post(job.on_done, job)
+            except RuntimeError:  # the loop has closed: nothing is left to answer
+                return

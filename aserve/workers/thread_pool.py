@@ -7,7 +7,7 @@ batch may run inline, on the loop's own thread (below).
 
 The loop submits a :class:`BatchJob`; whichever instance thread is free takes
 it, stacks the inputs, runs the engine and posts the outcome back through
-:func:`aserve.workers.handoff.post_threadsafe`. The batcher only submits while
+:mod:`aserve.workers.handoff`. The batcher only submits while
 it knows an instance is free, so jobs never pile up in the thread queue.
 
 **Inline on the loop.** Tiny batches run on the loop instead
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aserve.engines.base import Engine
-from aserve.workers.handoff import post_threadsafe, settle_threadsafe
+from aserve.workers.handoff import post_threadsafe, poster, settle_threadsafe
 from aserve.workers.job import BatchJob
 
 log = logging.getLogger("aserve.executor")
@@ -200,6 +200,7 @@ class ExecutorPool:
         settle_threadsafe(loop, ready, None)
 
         engine = self.engine
+        post = poster(loop)
         job: Any = None
         try:
             while True:
@@ -207,7 +208,10 @@ class ExecutorPool:
                 if job is _STOP:
                     return
                 _run(engine, job, instance)
-                post_threadsafe(loop, self._finished, job)
+                try:
+                    post(self._finished, job)
+                except RuntimeError:  # the loop has closed: nothing is left to answer
+                    return
                 job = None
         except BaseException as exc:  # the thread dies: tell the loop, then answer its batch
             # In this order, so that the batcher, answered, counts this instance out.
