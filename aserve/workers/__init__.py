@@ -6,10 +6,11 @@ the loop. What runs where:
 
 - loop: every executor's ``start``/``submit``/``stop`` and its supervision
   (:mod:`.thread_pool`, :mod:`.batch_process`, :mod:`.step_process`,
-  :mod:`.step_executor`, :mod:`.supervisor`, :mod:`.pipe`);
+  :mod:`.step_executor`, :mod:`.supervisor`, :mod:`.pipe`), and the tiny CPU
+  batches :mod:`.thread_pool` runs inline, on the loop's own thread;
 - executor threads: the instance threads of :mod:`.thread_pool` and the step
   thread of :mod:`.step_executor`, which call back only through
-  :mod:`.handoff`, the one ``call_soon_threadsafe``;
+  :mod:`.handoff`, the one place that reaches ``call_soon_threadsafe``;
 - child processes: :mod:`.child`, which never imports asyncio;
 - either side of a pipe: :mod:`.wire` (plain data, no pickle).
 
