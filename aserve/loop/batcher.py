@@ -320,9 +320,7 @@ class Batcher:
             return False
         heapq.heappop(heap)
         self._unqueue(head)
-        self._stats.timed_out += 1
-        self.margin.missed(now, head.deadline - head.arrival, _overrun(head, head.deadline))
-        _fail(head, DeadlineExceeded(
+        self._time_out(head, now, head.deadline, (
             f"request given up after {(now - head.arrival) * 1e3:.1f} ms in the queue of "
             f"'{self.label}': {(head.deadline - now) * 1e3:.1f} ms left, enough only for a batch "
             f"of {cap} while {full} wait; the server is overloaded"
@@ -335,12 +333,17 @@ class Batcher:
             req = heapq.heappop(heap)
             if req.queued:
                 self._unqueue(req)
-                self._stats.timed_out += 1
-                self.margin.missed(now, req.deadline - req.arrival, _overrun(req, now))
-                _fail(req, DeadlineExceeded(
+                self._time_out(req, now, now, (
                     f"request timed out after {(now - req.arrival) * 1e3:.1f} ms waiting in the "
                     f"queue of '{self.label}'"
                 ))  # fmt: skip
+
+    def _time_out(self, req: InferenceRequest, now: float, until: float, message: str) -> None:
+        """Answer ``req`` with a timeout (``message``), counted and told to the margin
+        (its overrun measured ``until`` then)."""
+        self._stats.timed_out += 1
+        self.margin.missed(now, req.deadline - req.arrival, _overrun(req, until))
+        _fail(req, DeadlineExceeded(message))
 
     def _form(self, take: int, now: float) -> list[InferenceRequest]:
         """Pop up to ``take`` items of one input shape, earliest deadline first."""
@@ -430,9 +433,7 @@ class Batcher:
             if req.future.done():
                 continue
             if req.deadline <= now:
-                self._stats.timed_out += 1
-                self.margin.missed(now, req.deadline - req.arrival, _overrun(req, now))
-                _fail(req, DeadlineExceeded(
+                self._time_out(req, now, now, (
                     f"request timed out after {(now - req.arrival) * 1e3:.1f} ms; the model "
                     f"'{self.label}' was still running its batch"
                 ))  # fmt: skip

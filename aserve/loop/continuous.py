@@ -312,8 +312,7 @@ class ContinuousBatcher:
         )
         for i in plan.expire_running:
             r = running[i]
-            self._stats.timed_out += 1
-            self._end(r, DeadlineExceeded(
+            self._time_out(r, (
                 f"generation timed out after {(now - r.arrival) * 1e3:.0f} ms "
                 f"({r.channel.backlog} step(s) unread by the client) on '{self.label}'"
             ))  # fmt: skip
@@ -321,8 +320,7 @@ class ContinuousBatcher:
         queue, self._waiting[:head] = self._waiting[:head], []
         for i in plan.expire_waiting:
             w = queue[i]
-            self._stats.timed_out += 1
-            self._end(w, DeadlineExceeded(
+            self._time_out(w, (
                 f"generation timed out after {(now - w.arrival) * 1e3:.0f} ms waiting for a "
                 f"slot of '{self.label}'"
             ))  # fmt: skip
@@ -400,12 +398,15 @@ class ContinuousBatcher:
         queued for it (``resume``), and leave only when their deadline passes."""
         while self._waiting and self._waiting[0].deadline <= now:
             w = self._waiting.pop(0)
-            self._stats.timed_out += 1
-            self._end(w, DeadlineExceeded(
+            self._time_out(w, (
                 f"generation timed out after {(now - w.arrival) * 1e3:.0f} ms waiting for "
                 f"'{self.label}' (its step process is restarting)"
             ))  # fmt: skip
         self._arm_timer(self._waiting[0].deadline if self._waiting else None)
+
+    def _time_out(self, req: GenerationRequest, message: str) -> None:
+        self._stats.timed_out += 1
+        self._end(req, DeadlineExceeded(message))
 
     def resume(self) -> None:
         """The executor's ``live`` changed: once it is back (a new step process
