@@ -17,7 +17,6 @@ from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
 from aserve.sched.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
 from aserve.stats import ModelStats
 from aserve.workers.job import BatchJob, Executor
-from aserve.workers.thread_pool import ExecutorPool
 
 LIMITS = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[8, 16, 32])
 
@@ -254,24 +253,6 @@ def test_admission_margin_never_exceeds_what_misses_showed():
     assert 1.9 < margin.factor <= 2.0
 
 
-class _Copy:
-    """A stand-in engine for the batcher's admission: returns its input."""
-
-    inline_capable = False
-
-    def create_instance(self, index: int) -> None:
-        return None
-
-    def stack_inputs(self, parts):
-        return {"X": np.concatenate([p["X"] for p in parts])}
-
-    def check_outputs(self, outputs, batch_size: int) -> None:
-        pass
-
-    def run(self, inputs, instance):
-        return {"Y": inputs["X"]}
-
-
 class _Held:
     """An Executor the test drives: one instance, and a batch runs (Y = X) only when
     the test answers it. No thread: the batcher and its executor share the loop."""
@@ -318,36 +299,36 @@ async def test_the_margin_stretches_only_waits_in_a_lasting_overload():
     would wait in a server busy for longer, or rested only between an overload's batches,
     has its prediction stretched by the margin."""
     clock = FakeClock()
-    pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
-    await pool.start()
-    try:
-        batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
-                          clock=clock, loop_lag=LoopLag())  # fmt: skip
-        for size in (1, 4):
-            batcher.latency.observe(size, 0.050)
-        batcher.margin.factor = 4.0  # left high by an earlier overload
-        clock.now += 1.0  # and the server has rested since
-        now = clock()
-        batcher.check_admission(now, now + 0.100, 1)  # idle: 50 ms of 100, admitted
-        ahead = _request(clock, 1.0)
-        batcher.submit(ahead)  # queued (dispatched on the next loop pass)
-        batcher.check_admission(now, now + 0.150, 1)  # would wait, but came with `ahead`
-        clock.now += 0.2  # busy for longer than the next one's budget: a lasting overload
-        now = clock()
-        with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
-            batcher.check_admission(now, now + 0.150, 1)  # would wait: ~4 x 50 ms
-        await asyncio.wait_for(ahead.future, 10)
-        clock.now += 0.01  # a moment idle between batches
-        later = _request(clock, 1.0)
-        batcher.submit(later)
-        now = clock()
-        with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
-            batcher.check_admission(now, now + 0.150, 1)  # still the overload's margin
-        batcher.margin.factor = 1.0
-        batcher.check_admission(now, now + 0.150, 1)  # one batch of both: 50 ms of 150
-        await asyncio.wait_for(later.future, 10)
-    finally:
-        await pool.stop()
+    pool = _Held()
+    batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
+                      clock=clock, loop_lag=LoopLag())  # fmt: skip
+    for size in (1, 4):
+        batcher.latency.observe(size, 0.050)
+    batcher.margin.factor = 4.0  # left high by an earlier overload
+    clock.now += 1.0  # and the server has rested since
+    now = clock()
+    batcher.check_admission(now, now + 0.100, 1)  # idle: 50 ms of 100, admitted
+    ahead = _request(clock, 1.0)
+    batcher.submit(ahead)  # queued (dispatched on the next loop pass)
+    batcher.check_admission(now, now + 0.150, 1)  # would wait, but came with `ahead`
+    clock.now += 0.2  # busy for longer than the next one's budget: a lasting overload
+    now = clock()
+    with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
+        batcher.check_admission(now, now + 0.150, 1)  # would wait: ~4 x 50 ms
+    await _one_pass()
+    pool.answer()
+    assert ahead.future.done()
+    clock.now += 0.01  # a moment idle between batches
+    later = _request(clock, 1.0)
+    batcher.submit(later)
+    now = clock()
+    with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
+        batcher.check_admission(now, now + 0.150, 1)  # still the overload's margin
+    batcher.margin.factor = 1.0
+    batcher.check_admission(now, now + 0.150, 1)  # one batch of both: 50 ms of 150
+    await _one_pass()
+    pool.answer()
+    assert later.future.done()
 
 
 async def test_an_idle_server_admits_a_burst_it_can_serve_after_a_storm():
@@ -409,21 +390,17 @@ async def test_admission_counts_the_event_loops_lag_twice():
     its answer after: 50 ms of model time then needs 170 ms of a 150 ms budget."""
     clock = FakeClock()
     lag = LoopLag()
-    pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
-    await pool.start()
-    try:
-        batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
-                          clock=clock, loop_lag=lag)  # fmt: skip
-        batcher.latency.observe(1, 0.050)
-        now = clock()
-        batcher.check_admission(now, now + 0.150, 1)  # a prompt loop: admitted
-        for _ in range(30):
-            lag.observe(0.060)
-        with pytest.raises(Unavailable, match=r"twice the event loop's lag of 60\.0 ms"):
-            batcher.check_admission(now, now + 0.150, 1)
-        batcher.check_admission(now, now + 0.200, 1)  # 170 ms of 200: admitted
-    finally:
-        await pool.stop()
+    pool = _Held()
+    batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
+                      clock=clock, loop_lag=lag)  # fmt: skip
+    batcher.latency.observe(1, 0.050)
+    now = clock()
+    batcher.check_admission(now, now + 0.150, 1)  # a prompt loop: admitted
+    for _ in range(30):
+        lag.observe(0.060)
+    with pytest.raises(Unavailable, match=r"twice the event loop's lag of 60\.0 ms"):
+        batcher.check_admission(now, now + 0.150, 1)
+    batcher.check_admission(now, now + 0.200, 1)  # 170 ms of 200: admitted
 
 
 async def test_a_burst_at_a_rested_server_is_admitted_on_one_batch_not_on_half_its_budget():
@@ -432,22 +409,19 @@ async def test_a_burst_at_a_rested_server_is_admitted_on_one_batch_not_on_half_i
     size the batches ahead by half the budget (10 items in 100 ms), predicting two or
     more batches, and refused the burst from its 19th request on."""
     clock = FakeClock()
-    pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
-    await pool.start()
-    try:
-        config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
-        batcher = Batcher(
-            "m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag()
-        )
-        for size in (1, 8, 32):
-            batcher.latency.observe(size, 0.080 + 0.002 * size)
-        clock.now += 5.0  # rested
-        burst = [_request(clock, 0.2) for _ in range(32)]
-        for r in burst:
-            batcher.submit(r)  # none refused
-        await asyncio.wait_for(asyncio.gather(*(r.future for r in burst)), 10)
-    finally:
-        await pool.stop()
+    pool = _Held()
+    config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
+    batcher = Batcher("m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag())
+    for size in (1, 8, 32):
+        batcher.latency.observe(size, 0.080 + 0.002 * size)
+    clock.now += 5.0  # rested
+    burst = [_request(clock, 0.2) for _ in range(32)]
+    for r in burst:
+        batcher.submit(r)  # none refused
+    await _one_pass()
+    pool.answer()
+    assert all(r.future.done() and r.future.exception() is None for r in burst)
+    assert pool.sizes == [32]  # one batch
 
 
 @pytest.mark.parametrize(
