@@ -24,8 +24,8 @@ from aserve.codecs.v2 import decode_request
 from aserve.config import BatchingConfig, TensorSpec
 from aserve.errors import Unavailable
 from aserve.frontends.http import error_response
-from aserve.scheduler.batcher import Batcher
-from aserve.scheduler.loop_lag import LoopLag
+from aserve.loop.batcher import Batcher
+from aserve.loop.loop_lag import LoopLag
 from aserve.stats import ModelStats
 from bench.models import MODELS, sample_input
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from aserve.config import BatchingConfig
-from aserve.engines.executor import BatchJob
 from aserve.errors import Unavailable
+from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
-from aserve.scheduler.batcher import Batcher
 from aserve.stats import ModelStats
+from aserve.workers.job import BatchJob
 
 pytestmark = pytest.mark.timeout(30)
 

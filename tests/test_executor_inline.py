@@ -8,7 +8,8 @@ import time
 
 import numpy as np
 
-from aserve.engines.executor import BatchJob, ExecutorPool
+from aserve.workers.job import BatchJob
+from aserve.workers.thread_pool import ExecutorPool
 
 
 class _Engine:

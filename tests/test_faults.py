@@ -18,9 +18,10 @@ from reload_helpers import copy_handler, wait_log
 from aserve.codecs.validate import check_batch
 from aserve.config import ModelConfig
 from aserve.engines.base import Engine
-from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.errors import InternalError
 from aserve.loop.model import ModelRuntime
+from aserve.workers.job import BatchJob
+from aserve.workers.thread_pool import ExecutorPool
 
 pytestmark = pytest.mark.timeout(60)
 

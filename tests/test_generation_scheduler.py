@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from aserve.config import GenerationConfig
-from aserve.engines.step_executor import StepJob
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull
-from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
-from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
+from aserve.loop.continuous import ContinuousBatcher, GenerationRequest
+from aserve.sched.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.stats import ModelStats
 from aserve.streaming.channel import TokenChannel
 from aserve.types.generation import StepOutput
+from aserve.workers.job import StepJob
 
 LIMITS = StepLimits(max_num_seqs=4, max_prefill_tokens=100)
 
@@ -61,7 +61,8 @@ class FakeExecutor:
 
     def __init__(self) -> None:
         self.jobs: list[StepJob] = []
-        self.alive = True
+        self.live = 1
+        self.on_live: Any = None
 
     def submit(self, job: StepJob) -> None:
         self.jobs.append(job)
@@ -277,7 +278,7 @@ async def test_waiting_sequences_wait_for_an_engine_that_is_being_replaced() -> 
     await settle()
     short = b.submit("short", 1, 5)  # type: ignore[arg-type]
     patient = b.submit("patient", 1, 60)  # type: ignore[arg-type]
-    ex.alive = False  # the step process died with "run" in it
+    ex.live = 0  # the step process died with "run" in it
     b.fail_running(RuntimeError("the step process exited"))
     ex.answer(error=RuntimeError("the step process exited"))  # the step in flight fails
     late = b.submit("late", 1, 60)  # type: ignore[arg-type]  # arrivals queue too
@@ -290,7 +291,7 @@ async def test_waiting_sequences_wait_for_an_engine_that_is_being_replaced() -> 
     await settle()
     with pytest.raises(DeadlineExceeded, match="restarting"):
         await short.collect()
-    ex.alive = True
+    ex.live = 1
     b.resume()
     await settle()
     assert ex.jobs[-1].new == ["patient"]
@@ -307,10 +308,10 @@ async def test_a_step_that_never_reached_the_engine_requeues_its_new_sequences()
     await settle()
     job = ex.jobs[-1]
     job.error, job.not_run = RuntimeError("the step process is gone"), True
-    ex.alive = False
+    ex.live = 0
     job.on_done(job)
     assert (b.waiting, b.running, b.slots_held) == (1, 0, 0)
-    ex.alive = True
+    ex.live = 1
     b.resume()
     await settle()
     assert ex.jobs[-1].new == ["a"]

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 
 import numpy as np
 import pytest
 
 from aserve.config import BatchingConfig
-from aserve.engines.executor import ExecutorPool
 from aserve.errors import DeadlineExceeded, Unavailable
+from aserve.loop.batcher import Batcher
+from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
-from aserve.scheduler.batcher import Batcher
-from aserve.scheduler.latency import AdmissionMargin, ArrivalRate, LatencyModel
-from aserve.scheduler.loop_lag import LoopLag
-from aserve.scheduler.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
+from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
+from aserve.sched.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
 from aserve.stats import ModelStats
+from aserve.workers.job import BatchJob, Executor
 
 LIMITS = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[8, 16, 32])
 
@@ -254,22 +253,36 @@ def test_admission_margin_never_exceeds_what_misses_showed():
     assert 1.9 < margin.factor <= 2.0
 
 
-class _Copy:
-    """A stand-in engine for the batcher's admission: returns its input."""
+class _Held:
+    """An Executor the test drives: one instance, and a batch runs (Y = X) only when
+    the test answers it. No thread: the batcher and its executor share the loop."""
 
-    inline_capable = False
+    def __init__(self) -> None:
+        self.jobs: list[BatchJob] = []
+        self.sizes: list[int] = []  # the batches answered, in order
+        self.on_live = None
+        self.restarts = 0
+        self.live = 1
 
-    def create_instance(self, index: int) -> None:
-        return None
-
-    def stack_inputs(self, parts):
-        return {"X": np.concatenate([p["X"] for p in parts])}
-
-    def check_outputs(self, outputs, batch_size: int) -> None:
+    async def start(self) -> None:
         pass
 
-    def run(self, inputs, instance):
-        return {"Y": inputs["X"]}
+    async def stop(self, timeout: float = 10.0) -> None:
+        pass
+
+    def submit(self, job: BatchJob) -> None:
+        self.jobs.append(job)
+
+    def answer(self) -> None:
+        """Run and answer the oldest batch."""
+        job = self.jobs.pop(0)
+        job.outputs = {"Y": np.concatenate([p["X"] for p in job.parts])}
+        self.sizes.append(job.size)
+        job.on_done(job)
+
+
+async def _one_pass() -> None:
+    await asyncio.sleep(0)  # one pass of the loop: the batcher pumps with call_soon
 
 
 def _request(clock: FakeClock, deadline_in: float) -> InferenceRequest:
@@ -286,36 +299,36 @@ async def test_the_margin_stretches_only_waits_in_a_lasting_overload():
     would wait in a server busy for longer, or rested only between an overload's batches,
     has its prediction stretched by the margin."""
     clock = FakeClock()
-    pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
-    await pool.start()
-    try:
-        batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
-                          clock=clock, loop_lag=LoopLag())  # fmt: skip
-        for size in (1, 4):
-            batcher.latency.observe(size, 0.050)
-        batcher.margin.factor = 4.0  # left high by an earlier overload
-        clock.now += 1.0  # and the server has rested since
-        now = clock()
-        batcher.check_admission(now, now + 0.100, 1)  # idle: 50 ms of 100, admitted
-        ahead = _request(clock, 1.0)
-        batcher.submit(ahead)  # queued (dispatched on the next loop pass)
-        batcher.check_admission(now, now + 0.150, 1)  # would wait, but came with `ahead`
-        clock.now += 0.2  # busy for longer than the next one's budget: a lasting overload
-        now = clock()
-        with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
-            batcher.check_admission(now, now + 0.150, 1)  # would wait: ~4 x 50 ms
-        await asyncio.wait_for(ahead.future, 10)
-        clock.now += 0.01  # a moment idle between batches
-        later = _request(clock, 1.0)
-        batcher.submit(later)
-        now = clock()
-        with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
-            batcher.check_admission(now, now + 0.150, 1)  # still the overload's margin
-        batcher.margin.factor = 1.0
-        batcher.check_admission(now, now + 0.150, 1)  # one batch of both: 50 ms of 150
-        await asyncio.wait_for(later.future, 10)
-    finally:
-        await pool.stop()
+    pool = _Held()
+    batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
+                      clock=clock, loop_lag=LoopLag())  # fmt: skip
+    for size in (1, 4):
+        batcher.latency.observe(size, 0.050)
+    batcher.margin.factor = 4.0  # left high by an earlier overload
+    clock.now += 1.0  # and the server has rested since
+    now = clock()
+    batcher.check_admission(now, now + 0.100, 1)  # idle: 50 ms of 100, admitted
+    ahead = _request(clock, 1.0)
+    batcher.submit(ahead)  # queued (dispatched on the next loop pass)
+    batcher.check_admission(now, now + 0.150, 1)  # would wait, but came with `ahead`
+    clock.now += 0.2  # busy for longer than the next one's budget: a lasting overload
+    now = clock()
+    with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
+        batcher.check_admission(now, now + 0.150, 1)  # would wait: ~4 x 50 ms
+    await _one_pass()
+    pool.answer()
+    assert ahead.future.done()
+    clock.now += 0.01  # a moment idle between batches
+    later = _request(clock, 1.0)
+    batcher.submit(later)
+    now = clock()
+    with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
+        batcher.check_admission(now, now + 0.150, 1)  # still the overload's margin
+    batcher.margin.factor = 1.0
+    batcher.check_admission(now, now + 0.150, 1)  # one batch of both: 50 ms of 150
+    await _one_pass()
+    pool.answer()
+    assert later.future.done()
 
 
 async def test_an_idle_server_admits_a_burst_it_can_serve_after_a_storm():
@@ -323,44 +336,41 @@ async def test_an_idle_server_admits_a_burst_it_can_serve_after_a_storm():
     their spread; seconds later 32 requests sent together, which one batch serves well
     within their deadline, are all admitted and served."""
     clock = FakeClock()
-    engine = _Gated()
-    pool = ExecutorPool(engine, 1, "m")  # type: ignore[arg-type]
-    await pool.start()
-    try:
-        config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
-        batcher = Batcher(
-            "m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag()
-        )
-        for size in range(1, 33):  # 28 ms + 1 ms per item: a batch of 32 in 60 ms
-            batcher.latency.observe(size, 0.028 + 0.001 * size)
-        busy = _request(clock, 60.0)
-        batcher.submit(busy)  # holds the only instance through the storm
-        assert await asyncio.to_thread(engine.started.wait, 10)
-        for _ in range(6):  # six rounds of admitted requests that all miss (the model stalls)
-            missed = [_request(clock, 0.2) for _ in range(8)]
-            for r in missed:
-                batcher.submit(r)
-            clock.now += 0.3
-            for r in missed:
-                with pytest.raises(DeadlineExceeded):
-                    await asyncio.wait_for(r.future, 10)
-        stormy = batcher.margin.factor
-        assert stormy > 2.0
-        for _ in range(20):  # and the batches that did run were slow and erratic (a busy CPU)
-            for size, slow in ((1, 3.0), (2, 5.0), (4, 2.0), (8, 4.0)):
-                batcher.latency.observe(size, slow * (0.028 + 0.001 * size))
-        engine.gate.set()
-        await asyncio.wait_for(busy.future, 10)
-        clock.now += 3.0  # idle for a few seconds
-        burst = [_request(clock, 0.2) for _ in range(32)]
-        for r in burst:
-            batcher.submit(r)  # none refused
-        await asyncio.wait_for(asyncio.gather(*(r.future for r in burst)), 10)
-        assert engine.sizes[-1] == 32  # one batch
-        assert batcher.margin.factor < stormy  # and the margin fades
-    finally:
-        engine.gate.set()
-        await pool.stop()
+    pool = _Held()
+    config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
+    batcher = Batcher("m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag())
+    for size in range(1, 33):  # 28 ms + 1 ms per item: a batch of 32 in 60 ms
+        batcher.latency.observe(size, 0.028 + 0.001 * size)
+    busy = _request(clock, 60.0)
+    batcher.submit(busy)  # holds the only instance through the storm
+    await _one_pass()
+    assert len(pool.jobs) == 1
+    for _ in range(6):  # six rounds of admitted requests that all miss (the model stalls)
+        missed = [_request(clock, 0.2) for _ in range(8)]
+        for r in missed:
+            batcher.submit(r)
+        clock.now += 0.3
+        batcher._on_timer()  # the deadline timer, on the batcher's clock
+        for r in missed:
+            with pytest.raises(DeadlineExceeded):
+                r.future.result()
+    stormy = batcher.margin.factor
+    assert stormy > 2.0
+    for _ in range(20):  # and the batches that did run were slow and erratic (a busy CPU)
+        for size, slow in ((1, 3.0), (2, 5.0), (4, 2.0), (8, 4.0)):
+            batcher.latency.observe(size, slow * (0.028 + 0.001 * size))
+    pool.answer()
+    assert busy.future.done()
+    clock.now += 3.0  # idle for a few seconds
+    burst = [_request(clock, 0.2) for _ in range(32)]
+    for r in burst:
+        batcher.submit(r)  # none refused
+    await _one_pass()
+    pool.answer()
+    assert all(r.future.done() and r.future.exception() is None for r in burst)
+    assert pool.sizes[-1] == 32  # one batch
+    assert batcher.margin.factor < stormy  # and the margin fades
+    batcher.close()
 
 
 def test_loop_lag_counts_a_lasting_lag_and_forgets_a_single_pause():
@@ -380,21 +390,17 @@ async def test_admission_counts_the_event_loops_lag_twice():
     its answer after: 50 ms of model time then needs 170 ms of a 150 ms budget."""
     clock = FakeClock()
     lag = LoopLag()
-    pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
-    await pool.start()
-    try:
-        batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
-                          clock=clock, loop_lag=lag)  # fmt: skip
-        batcher.latency.observe(1, 0.050)
-        now = clock()
-        batcher.check_admission(now, now + 0.150, 1)  # a prompt loop: admitted
-        for _ in range(30):
-            lag.observe(0.060)
-        with pytest.raises(Unavailable, match=r"twice the event loop's lag of 60\.0 ms"):
-            batcher.check_admission(now, now + 0.150, 1)
-        batcher.check_admission(now, now + 0.200, 1)  # 170 ms of 200: admitted
-    finally:
-        await pool.stop()
+    pool = _Held()
+    batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
+                      clock=clock, loop_lag=lag)  # fmt: skip
+    batcher.latency.observe(1, 0.050)
+    now = clock()
+    batcher.check_admission(now, now + 0.150, 1)  # a prompt loop: admitted
+    for _ in range(30):
+        lag.observe(0.060)
+    with pytest.raises(Unavailable, match=r"twice the event loop's lag of 60\.0 ms"):
+        batcher.check_admission(now, now + 0.150, 1)
+    batcher.check_admission(now, now + 0.200, 1)  # 170 ms of 200: admitted
 
 
 async def test_a_burst_at_a_rested_server_is_admitted_on_one_batch_not_on_half_its_budget():
@@ -403,37 +409,19 @@ async def test_a_burst_at_a_rested_server_is_admitted_on_one_batch_not_on_half_i
     size the batches ahead by half the budget (10 items in 100 ms), predicting two or
     more batches, and refused the burst from its 19th request on."""
     clock = FakeClock()
-    pool = ExecutorPool(_Copy(), 1, "m")  # type: ignore[arg-type]
-    await pool.start()
-    try:
-        config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
-        batcher = Batcher(
-            "m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag()
-        )
-        for size in (1, 8, 32):
-            batcher.latency.observe(size, 0.080 + 0.002 * size)
-        clock.now += 5.0  # rested
-        burst = [_request(clock, 0.2) for _ in range(32)]
-        for r in burst:
-            batcher.submit(r)  # none refused
-        await asyncio.wait_for(asyncio.gather(*(r.future for r in burst)), 10)
-    finally:
-        await pool.stop()
-
-
-class _Gated(_Copy):
-    """Returns its input once ``gate`` opens; records the batch sizes it ran."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self.started = threading.Event()  # a batch is held at the gate
-        self.sizes: list[int] = []
-
-    def run(self, inputs, instance):
-        self.started.set()
-        self.gate.wait(10)
-        self.sizes.append(len(inputs["X"]))
-        return {"Y": inputs["X"]}
+    pool = _Held()
+    config = BatchingConfig(max_batch_size=32, max_delay_ms=0, max_queue_size=1024)
+    batcher = Batcher("m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag())
+    for size in (1, 8, 32):
+        batcher.latency.observe(size, 0.080 + 0.002 * size)
+    clock.now += 5.0  # rested
+    burst = [_request(clock, 0.2) for _ in range(32)]
+    for r in burst:
+        batcher.submit(r)  # none refused
+    await _one_pass()
+    pool.answer()
+    assert all(r.future.done() and r.future.exception() is None for r in burst)
+    assert pool.sizes == [32]  # one batch
 
 
 @pytest.mark.parametrize(
@@ -442,33 +430,32 @@ class _Gated(_Copy):
 )
 async def test_the_head_is_given_up_only_for_a_batch_under_a_quarter_of_the_queue(head_ms, shed):
     clock = FakeClock()
-    engine = _Gated()
-    pool = ExecutorPool(engine, 1, "m")  # type: ignore[arg-type]
-    await pool.start()
-    try:
-        config = BatchingConfig(max_batch_size=8, max_delay_ms=0)
-        batcher = Batcher(
-            "m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag()
-        )
-        busy = _request(clock, 10.0)
-        batcher.submit(busy)  # takes the only instance, held at the gate
-        assert await asyncio.to_thread(engine.started.wait, 10)
-        clock.now += 0.05  # the busy batch has run 50 ms when the others arrive
-        head = _request(clock, head_ms / 1000)
-        rest = [_request(clock, 10.0) for _ in range(7)]
-        for r in (head, *rest):
-            batcher.submit(r)
-        for size in range(1, 9):  # 100 ms per item, learned only now: all were admitted
-            batcher.latency.observe(size, 0.1 * size)
-        engine.gate.set()  # the busy batch ends now, at +50 ms: the head has head_ms - 50 left
-        await asyncio.wait_for(asyncio.gather(busy.future, *(r.future for r in rest)), 10)
-        if shed:
-            with pytest.raises(DeadlineExceeded, match="enough only for a batch of 1 while 8"):
-                head.future.result()
-            assert engine.sizes == [1, 7]
-        else:
+    pool = _Held()
+    assert isinstance(pool, Executor)
+    config = BatchingConfig(max_batch_size=8, max_delay_ms=0)
+    batcher = Batcher("m/1", config, pool, ModelStats("m", "1"), clock=clock, loop_lag=LoopLag())
+    busy = _request(clock, 10.0)
+    batcher.submit(busy)
+    await _one_pass()
+    assert len(pool.jobs) == 1  # the busy batch has the only instance
+    clock.now += 0.05  # the busy batch has run 50 ms when the others arrive
+    head = _request(clock, head_ms / 1000)
+    rest = [_request(clock, 10.0) for _ in range(7)]
+    for r in (head, *rest):
+        batcher.submit(r)
+    for size in range(1, 9):  # 100 ms per item, learned only now: all were admitted
+        batcher.latency.observe(size, 0.1 * size)
+    await _one_pass()
+    assert len(pool.jobs) == 1  # they wait for the instance
+    pool.answer()  # the busy batch ends now, at +50 ms: the head has head_ms - 50 left
+    while pool.jobs:  # the rest run at once, the clock standing still
+        pool.answer()
+    assert busy.future.done() and all(r.future.done() for r in rest)
+    if shed:
+        with pytest.raises(DeadlineExceeded, match="enough only for a batch of 1 while 8"):
             head.future.result()
-            assert engine.sizes[:2] == [1, 2]  # the head, in the batch its time allows
-    finally:
-        engine.gate.set()
-        await pool.stop()
+        assert pool.sizes == [1, 7]
+    else:
+        head.future.result()
+        assert pool.sizes[:2] == [1, 2]  # the head, in the batch its time allows
+    batcher.close()

@@ -23,10 +23,10 @@ from helpers import frozen
 from reload_helpers import copy_handler, wait_log
 
 from aserve.config import ConfigError, ModelConfig, parse_config
-from aserve.engines.executor import BatchJob
-from aserve.engines.process_pool import ProcessPool, WorkerSpec
 from aserve.engines.python_handler import PythonHandlerEngine
-from aserve.engines.wire import WireError, pack_arrays, unpack_arrays
+from aserve.workers.batch_process import ProcessPool, WorkerSpec
+from aserve.workers.job import BatchJob
+from aserve.workers.wire import WireError, pack_arrays, unpack_arrays
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -271,7 +271,7 @@ async def test_pipe_channel_reassembles_messages_split_across_writes() -> None:
     import multiprocessing
     import threading
 
-    from aserve.engines.pipe import open_channel
+    from aserve.workers.pipe import open_channel
 
     parent, child = multiprocessing.Pipe(duplex=True)
     got: list[bytes] = []

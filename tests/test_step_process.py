@@ -193,9 +193,9 @@ def test_a_sequence_that_cannot_cross_the_pipe_is_refused_before_it_is_queued(
     decoder_models: dict[str, Any],
 ) -> None:
     from aserve.engines.decoder import DecoderEngine
-    from aserve.engines.step_process import ProcessStepExecutor, WorkerArgs
     from aserve.errors import InvalidArgument
     from aserve.types.generation import SamplingParams
+    from aserve.workers.step_process import ProcessStepExecutor, WorkerArgs
 
     gpt2 = next(m for m in decoder_models["models"] if m["name"] == "gpt2")
     engine = DecoderEngine(gpt2["path"])

@@ -1,8 +1,15 @@
-"""Engines run a model on a device; executors are the threads that call them.
+"""Engines run a model on a device: the worker side, which never imports asyncio.
 
-Everything in this package except ``create_engine`` runs on executor threads
-(or, for ``load``/``unload``, in a worker thread during startup/shutdown) and
-never touches asyncio objects: results go back through ``aserve.loop.handoff``.
+Layer: ``engines`` (above ``config``/``codecs``, below ``workers``). What is
+here runs wherever an executor calls it: on an executor thread of the server
+process, in a worker or step process (:mod:`aserve.workers.child`), or, for
+``load``/``unload``, in a worker thread during startup and shutdown; a CPU
+torch model's tiny batches may also run on the loop's thread
+(:class:`aserve.workers.thread_pool.ExecutorPool`, inline). Nothing here
+touches an asyncio object: executors (:mod:`aserve.workers`) take the jobs
+from the loop and hand the results back. One exception is left:
+:meth:`aserve.engines.gpu_memory.CacheReleaser.run`, the periodic cache
+release the server's lifecycle runs as a task on the loop.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from aserve.engines.base import Engine
 
 def create_engine(config: ModelConfig, model_path: Path) -> Engine:
     """The engine named by ``config.engine``; cheap, loads nothing yet."""
+    # Imported here, by name: each engine module imports its runtime (torch,
+    # onnxruntime, tensorrt), heavy and optional, that other engines never need.
     if config.engine == "torch":
         from aserve.engines.torch_engine import TorchEngine
 

@@ -1,9 +1,12 @@
-"""The engine interface every model backend implements."""
+"""The engine interface every model backend implements.
+
+Layer: ``engines``; never imports asyncio. Its methods run where an executor
+calls them (see :class:`Engine`).
+"""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,8 @@ class Engine(abc.ABC):
     - ``run`` may run concurrently on several instance threads.
     - An engine whose ``inline_capable`` is True may also have ``run`` called
       on the event loop's thread, with an instance created there, for batches
-      measured to take well under 100 µs (see :class:`ExecutorPool`).
+      measured to take well under 100 µs (see
+      :class:`aserve.workers.thread_pool.ExecutorPool`).
     """
 
     inline_capable = False
@@ -42,20 +46,19 @@ class Engine(abc.ABC):
         (``"executor": "process"``): nothing, for engines that only ``run``."""
 
     def load_worker(self) -> None:
-        """``load``, in a worker process (see :mod:`aserve.engines.process_pool`)."""
+        """``load``, in a worker process (see :mod:`aserve.workers.batch_process`)."""
         self.load()
 
     def create_instance(self, index: int) -> Any:
         """Per-thread state for instance ``index``; called on that thread."""
         return None
 
-    def stack_inputs(self, parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """One batch from the requests' inputs (on the executor thread)."""
-        return batching.stack_inputs(parts, self.config.inputs)
-
-    def check_outputs(self, outputs: dict[str, np.ndarray], batch_size: int) -> None:
-        """Raise ``ValueError`` naming the output when ``run`` broke the model's contract."""
-        batching.check_outputs(outputs, self.config.outputs, batch_size, self.config.name)
+    # One batch from the requests' inputs (where ``run`` runs), and the check of
+    # what ``run`` returned (``ValueError`` naming the output that broke the
+    # model's contract): batching's functions themselves, so that a batch makes
+    # no forwarding call here. Engines with their own override them as methods.
+    stack_inputs = batching.stack_inputs
+    check_outputs = batching.engine_check_outputs
 
     @abc.abstractmethod
     def run(self, inputs: dict[str, np.ndarray], instance: Any) -> dict[str, np.ndarray]:

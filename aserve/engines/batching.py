@@ -1,22 +1,30 @@
 """Stacking request inputs into one batch and checking what the model returned.
 
-Runs on executor threads: the loop only slices the outputs back apart.
+Layer: ``engines``. Runs where the engine runs (an executor thread, a worker
+process); the loop only slices the outputs back apart. :func:`stack_inputs`
+and :func:`engine_check_outputs` are :class:`~aserve.engines.base.Engine`'s
+default ``stack_inputs`` and ``check_outputs`` themselves (bound there as
+methods), so a batch makes no forwarding call into ``base``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from aserve.config import TensorSpec
 from aserve.types.tensors import dtype_fits, shape_fits, shape_text
 
+if TYPE_CHECKING:
+    from aserve.engines.base import Engine
 
-def stack_inputs(
-    parts: Sequence[dict[str, np.ndarray]], specs: Sequence[TensorSpec]
-) -> dict[str, np.ndarray]:
-    """Concatenate each input along the batch dimension, in request order."""
+
+def stack_inputs(engine: Engine, parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One batch from the requests' inputs: each input of ``engine``'s config
+    concatenated along the batch dimension, in request order."""
+    specs = engine.config.inputs
     if len(parts) == 1:
         only = parts[0]
         # Arrays decoded straight from a request body are read-only views;
@@ -27,6 +35,11 @@ def stack_inputs(
 
 def _writable(arr: np.ndarray) -> np.ndarray:
     return arr if arr.flags.writeable else arr.copy()
+
+
+def engine_check_outputs(engine: Engine, outputs: dict[str, np.ndarray], batch_size: int) -> None:
+    """Raise ``ValueError`` naming the output when ``engine``'s ``run`` broke its config."""
+    check_outputs(outputs, engine.config.outputs, batch_size, engine.config.name)
 
 
 def check_outputs(

@@ -5,7 +5,7 @@ device allocates from: ``set_per_process_memory_fraction`` caps what it may
 hold (past the cap an allocation raises ``torch.cuda.OutOfMemoryError``,
 which fails the batch that asked, not the server), and ``empty_cache`` hands
 blocks no tensor uses back to the driver. The limit is per process, so a
-decoder model's step process applies it too (:mod:`aserve.engines.step_process`).
+decoder model's step process applies it too (:mod:`aserve.workers.step_process`).
 
 ``cuda`` is ``torch.cuda`` in the server; the functions take it as a
 parameter so that their arithmetic can be checked on machines without a GPU.

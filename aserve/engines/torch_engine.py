@@ -1,5 +1,8 @@
 """The PyTorch engine: TorchScript (``.pt``) and ``torch.export`` programs (``.pt2``).
 
+Layer: ``engines``; runs on executor threads or in a worker process (and, on
+the CPU, tiny batches inline on the loop's thread: ``inline_capable``).
+
 Neither format unpickles arbitrary objects. On CUDA every instance thread
 runs on its own ``torch.cuda.Stream`` and stages inputs and outputs through
 pinned host buffers with non-blocking copies, so instances overlap copies
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from aserve.config import ModelConfig
+from aserve.engines import cuda_graphs
 from aserve.engines.base import Engine
 from aserve.types.tensors import numpy_dtype
 
@@ -96,8 +100,6 @@ class TorchEngine(Engine):
                 )
         graphs = {}
         if self.config.cuda_graphs:
-            from aserve.engines import cuda_graphs
-
             b = self.config.batching
             graphs = cuda_graphs.capture(
                 self._module, self.config.inputs,

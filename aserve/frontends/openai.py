@@ -56,8 +56,8 @@ from aserve.types.generation import (
 )
 
 if TYPE_CHECKING:
+    from aserve.loop.continuous import GenerationRequest
     from aserve.loop.runtime import Server
-    from aserve.scheduler.continuous import GenerationRequest
 
 _TYPES = {
     ErrorCode.INVALID_ARGUMENT: "invalid_request_error",

@@ -3,9 +3,9 @@
 Everything here runs on the event loop the ``Batched`` was started on (its
 own thread's, or the caller's); :mod:`aserve.library.batched` hands calls
 over with ``run_coroutine_threadsafe``. It is a small ``ModelRuntime``: the
-same :class:`aserve.scheduler.batcher.Batcher` queues the calls by deadline
+same :class:`aserve.loop.batcher.Batcher` queues the calls by deadline
 and cuts batches from its latency model, and an
-:class:`aserve.engines.executor.ExecutorPool` (the function in this process,
+:class:`aserve.workers.thread_pool.ExecutorPool` (the function in this process,
 on one executor thread) or process pools (the function in worker
 processes) run them.
 """
@@ -23,14 +23,14 @@ from typing import Any
 import numpy as np
 
 from aserve.config import BatchingConfig, ModelConfig, TensorSpec
-from aserve.engines.executor import ExecutorPool
-from aserve.engines.process_pool import ProcessPool, WorkerSpec
 from aserve.engines.python_handler import PythonHandlerEngine
 from aserve.library.pools import DevicePools, spread
 from aserve.library.runner import FunctionEngine
+from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
-from aserve.scheduler.batcher import Batcher
 from aserve.stats import ModelStats
+from aserve.workers.batch_process import ProcessPool, WorkerSpec
+from aserve.workers.thread_pool import ExecutorPool
 
 WORKER_HANDLER = "aserve.library.runner:WorkerHandler"
 

@@ -1,6 +1,6 @@
 """Worker processes on several devices, as one pool the batcher drives (on the loop).
 
-A :class:`aserve.engines.process_pool.ProcessPool` runs its children on one
+A :class:`aserve.workers.batch_process.ProcessPool` runs its children on one
 device. ``Batched(..., workers=N, devices=[...])`` spreads its workers over
 several, so it runs one pool per device and this class puts them behind the
 pool interface the batcher knows (``live``, ``on_live``, ``submit``,
@@ -13,8 +13,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from aserve.engines.executor import BatchJob
-from aserve.engines.process_pool import ProcessPool
+from aserve.workers.batch_process import ProcessPool
+from aserve.workers.job import BatchJob
 
 
 def spread(workers: int, devices: Sequence[str]) -> list[tuple[str, int]]:

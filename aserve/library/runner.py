@@ -168,7 +168,7 @@ class WorkerHandler:
     """The function in a worker process, as a handler of the python engine.
 
     Each worker of a ``Batched(..., workers=N)`` is a worker process of
-    :mod:`aserve.engines.process_pool` serving this handler; ``load`` imports
+    :mod:`aserve.workers.batch_process` serving this handler; ``load`` imports
     the function named in the parameters and loads it on the worker's device.
     Only ``infer`` runs there: ``preprocess``/``postprocess`` are the caller's
     side and never called.

@@ -3,7 +3,7 @@
 What crosses to a worker is plain data: msgpack's own types (None, bool,
 int, float, str, bytes, lists, dicts) and numpy arrays of numbers, which
 travel as an extension ``(dtype, shape, raw bytes)``, as
-:mod:`aserve.engines.wire` sends them. Nothing is pickled, so a worker never
+:mod:`aserve.workers.wire` sends them. Nothing is pickled, so a worker never
 runs code that a value brought with it. Tuples arrive as lists; numpy scalars
 as Python numbers.
 """

@@ -1,5 +1,6 @@
-"""The asyncio core: requests, the thread-to-loop handoff, model runtimes and the server lifecycle.
+"""The asyncio core: requests, batchers, model runtimes and the server lifecycle.
 
-Everything in this package runs on the event loop, except ``handoff.py``,
-whose functions are the only ones executor threads may call.
+Everything in this package runs on the event loop. The thread-to-loop
+handoff, the only code executor threads may call, is
+:mod:`aserve.workers.handoff`.
 """

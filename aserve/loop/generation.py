@@ -31,14 +31,14 @@ from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines import builtin
 from aserve.engines.decoder import DecoderEngine, Tokenizer
 from aserve.engines.decoder import Sequence as EngineSequence
-from aserve.engines.step_executor import StepExecutor
-from aserve.engines.step_process import ProcessStepExecutor, WorkerArgs
 from aserve.errors import InvalidArgument, TooLarge, Unavailable
+from aserve.loop.continuous import ContinuousBatcher, GenerationRequest
 from aserve.loop.model import ModelState
 from aserve.loop.prompt_size import BODY_SLACK_BYTES, body_limit, check_prompt_size
-from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
 from aserve.stats import ModelStats
 from aserve.types.generation import SamplingParams
+from aserve.workers.step_executor import StepExecutor
+from aserve.workers.step_process import ProcessStepExecutor, WorkerArgs
 
 if TYPE_CHECKING:
     from aserve.loop.registry import ModelRegistry
@@ -84,7 +84,7 @@ class GenerationRuntime:
     def ready(self) -> bool:
         """Loaded, and its step process (if it has one) is up, not being restarted."""
         executor = self._executor
-        if isinstance(executor, ProcessStepExecutor) and not executor.alive:
+        if executor is not None and executor.live == 0:
             return False
         return self.state is ModelState.READY
 
@@ -112,9 +112,7 @@ class GenerationRuntime:
                 str(path), c.generation.model_dump(), c.device, c.dtype, c.cpu_threads, self.name,
                 gpu=self.gpu.model_dump(),
             )  # fmt: skip
-            executor = ProcessStepExecutor(
-                args, on_lost=self._on_sequences_lost, on_back=self._on_step_process_back
-            )
+            executor = ProcessStepExecutor(args, on_lost=self._on_sequences_lost)
         else:
             await asyncio.to_thread(engine.load)
             executor = StepExecutor(engine, self.name)
@@ -144,10 +142,6 @@ class GenerationRuntime:
     def _on_sequences_lost(self, error: BaseException) -> None:
         if self.batcher is not None:
             self.batcher.fail_running(error)
-
-    def _on_step_process_back(self) -> None:
-        if self.batcher is not None:
-            self.batcher.resume()
 
     # --- requests ---------------------------------------------------------------
 

@@ -18,14 +18,15 @@ import numpy as np
 from aserve.config import GpuConfig, ModelConfig
 from aserve.engines import builtin, create_engine
 from aserve.engines.base import Engine
-from aserve.engines.executor import BatchJob, ExecutorPool
-from aserve.engines.process_pool import ProcessPool, WorkerSpec
 from aserve.errors import Unavailable
 from aserve.logs import CURRENT
+from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
-from aserve.scheduler.batcher import Batcher
 from aserve.stats import ModelStats
 from aserve.types.tensors import numpy_dtype
+from aserve.workers.batch_process import ProcessPool, WorkerSpec
+from aserve.workers.job import BatchJob
+from aserve.workers.thread_pool import ExecutorPool
 
 log = logging.getLogger("aserve.model")
 

@@ -2,7 +2,7 @@
 
 Runs on the loop only. The continuous batcher fills it with each step's
 :class:`~aserve.types.generation.StepOutput` for the request (the outputs
-crossed from the executor thread in :mod:`aserve.loop.handoff`, the one
+crossed from the executor thread in :mod:`aserve.workers.handoff`, the one
 handoff place); a frontend reads it with ``async for delta in channel``.
 
 Reading takes everything buffered at once, merged into one :class:`~aserve.types.generation.Delta`:

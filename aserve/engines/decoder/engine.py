@@ -13,7 +13,7 @@ Thread contract (the same spirit as :class:`aserve.engines.base.Engine`):
   a long prompt).
 - ``load_front`` loads only what ``new_sequence`` needs (the tokenizer and
   the model's shape): the server process's view of an engine whose steps run
-  in a child process (:mod:`aserve.engines.step_process`).
+  in a child process (:mod:`aserve.workers.step_process`).
 
 The continuous batcher calls ``step(new, running)`` repeatedly: it prefills
 the new sequences (their first token comes from the prefill) and runs one

@@ -3,7 +3,8 @@
 :func:`plan_step` takes the running sequences and the head of the waiting
 queue (earliest deadline first) as plain numbers, and the clock, and says
 what one engine step does. It has no side effects and reads no clock, so
-tests drive it with numbers. The rules:
+tests drive it with numbers (layer: ``sched``, pure; called on the loop by
+:mod:`aserve.loop.continuous`). The rules:
 
 1. Expired sequences leave: a waiting one whose deadline has passed is
    answered with a timeout and never starts; a running one is ended and its

@@ -15,6 +15,8 @@ own parsing) counts for a fraction of itself and is forgotten within a
 fraction of a second, while a lasting lag is counted within a few ticks. One sampler runs per
 event loop, shared by every model on it; ticking costs about as much as
 answering one health probe every ``interval``.
+
+Layer: ``loop``; runs on the event loop (its tick is a loop timer).
 """
 
 from __future__ import annotations

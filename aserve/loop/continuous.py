@@ -1,8 +1,10 @@
 """The continuous batcher of one decoder model: iteration-level scheduling on the loop.
 
-Runs on the event loop only; the decisions come from :mod:`.step_policy`.
-Exactly one engine step is in flight at a time, on the model's step thread
-(:class:`aserve.engines.step_executor.StepExecutor`). When it comes back,
+Layer: ``loop``; runs on the event loop only; the decisions come from
+:mod:`aserve.sched.step_policy`. Exactly one engine step is in flight at a
+time, on the model's step executor (an :class:`~aserve.workers.job.Executor`:
+the step thread of :mod:`aserve.workers.step_executor` or the step process of
+:mod:`aserve.workers.step_process`). When it comes back,
 the outputs go into each request's :class:`~aserve.streaming.channel.TokenChannel`
 and the next step is formed at once: finished, cancelled and expired
 sequences have left, waiting ones are admitted as slots and the prefill
@@ -24,11 +26,10 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from aserve.config import GenerationConfig
 from aserve.engines.decoder import Sequence
-from aserve.engines.step_executor import StepJob
 from aserve.errors import (
     AserveError,
     DeadlineExceeded,
@@ -39,10 +40,11 @@ from aserve.errors import (
     Unavailable,
 )
 from aserve.logs import CURRENT
-from aserve.scheduler.step_policy import RunningView, StepLimits, WaitingView, plan_step
+from aserve.sched.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.stats import ModelStats
 from aserve.streaming.channel import TokenChannel
 from aserve.types.generation import Delta, StepOutput
+from aserve.workers.job import Executor, StepJob
 
 log = logging.getLogger("aserve.continuous")
 
@@ -55,12 +57,21 @@ def _member_error(label: str, out: StepOutput) -> AserveError:
     return InternalError(f"model '{label}' failed: {out.error}")
 
 
-class Executor(Protocol):
-    @property
-    def alive(self) -> bool:
-        """False while the engine is being replaced (a step process restarting)."""
+class _Step(StepJob):
+    """A step in the executor, as the loop tracks it: it is the job it submits."""
 
-    def submit(self, job: StepJob) -> None: ...
+    def __init__(
+        self,
+        new: list[GenerationRequest],
+        decode: list[GenerationRequest],
+        free: list[GenerationRequest],
+        on_done: Callable[[_Step], None],
+    ) -> None:
+        self.new = [r.sequence for r in new]
+        self.running = [r.sequence for r in decode]
+        self.free = [r.sequence for r in free]
+        self.on_done = on_done
+        self.reqs = new + decode  # in the order of the outputs
 
 
 class State(enum.Enum):
@@ -158,7 +169,7 @@ class ContinuousBatcher:
         self,
         label: str,
         generation: GenerationConfig,
-        executor: Executor,
+        executor: Executor[StepJob],
         stats: ModelStats,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -167,6 +178,7 @@ class ContinuousBatcher:
         self.max_queue_size = generation.max_queue_size
         self.buffer_chunks = generation.stream_buffer_chunks
         self._executor = executor
+        executor.on_live = self.resume
         self._stats = stats
         self._clock = clock
         self._loop = asyncio.get_running_loop()
@@ -284,7 +296,7 @@ class ContinuousBatcher:
         if self._in_flight is not None or self._closed:
             return
         now = self._clock()
-        if not self._executor.alive:
+        if self._executor.live <= 0:
             self._hold_queue(now)
             return
         running = list(self._running.values())
@@ -301,8 +313,7 @@ class ContinuousBatcher:
         )
         for i in plan.expire_running:
             r = running[i]
-            self._stats.timed_out += 1
-            self._end(r, DeadlineExceeded(
+            self._time_out(r, (
                 f"generation timed out after {(now - r.arrival) * 1e3:.0f} ms "
                 f"({r.channel.backlog} step(s) unread by the client) on '{self.label}'"
             ))  # fmt: skip
@@ -310,8 +321,7 @@ class ContinuousBatcher:
         queue, self._waiting[:head] = self._waiting[:head], []
         for i in plan.expire_waiting:
             w = queue[i]
-            self._stats.timed_out += 1
-            self._end(w, DeadlineExceeded(
+            self._time_out(w, (
                 f"generation timed out after {(now - w.arrival) * 1e3:.0f} ms waiting for a "
                 f"slot of '{self.label}'"
             ))  # fmt: skip
@@ -338,21 +348,15 @@ class ContinuousBatcher:
         if new:
             self._stats.queue.add(queue_ns, len(new))
         self._slots_held += len(new)
-        job = StepJob(
-            [r.sequence for r in new],
-            [r.sequence for r in decode],
-            [r.sequence for r in free],
-            self._on_step_done,
-            new + decode,
-        )
+        job = _Step(new, decode, free, self._on_step_done)
         self._in_flight = job
         self._executor.submit(job)
 
-    def _on_step_done(self, job: StepJob) -> None:
+    def _on_step_done(self, job: _Step) -> None:
         """A step came back from the thread (called on the loop)."""
         self._in_flight = None
         t0 = time.perf_counter_ns()
-        reqs: list[GenerationRequest] = job.tag
+        reqs = job.reqs
         if job.error is not None:
             self._step_failed(job, reqs)
         else:
@@ -395,16 +399,21 @@ class ContinuousBatcher:
         queued for it (``resume``), and leave only when their deadline passes."""
         while self._waiting and self._waiting[0].deadline <= now:
             w = self._waiting.pop(0)
-            self._stats.timed_out += 1
-            self._end(w, DeadlineExceeded(
+            self._time_out(w, (
                 f"generation timed out after {(now - w.arrival) * 1e3:.0f} ms waiting for "
                 f"'{self.label}' (its step process is restarting)"
             ))  # fmt: skip
         self._arm_timer(self._waiting[0].deadline if self._waiting else None)
 
+    def _time_out(self, req: GenerationRequest, message: str) -> None:
+        self._stats.timed_out += 1
+        self._end(req, DeadlineExceeded(message))
+
     def resume(self) -> None:
-        """The engine is back (a new step process is up): steps run again."""
-        self._kick()
+        """The executor's ``live`` changed: once it is back (a new step process
+        is up), steps run again."""
+        if self._executor.live > 0:
+            self._kick()
 
     def _requeue(self, reqs: list[GenerationRequest]) -> None:
         """Sequences of a step that never reached the engine wait again, in order."""

@@ -1,11 +1,17 @@
 """Executor threads: the instances of one model on its device.
 
+Layer: ``workers``. The pool's ``start``/``submit``/``stop`` and its
+supervision run on the loop; each instance's ``_main_threadsafe`` on its
+own thread, which reaches the loop only through :mod:`.handoff`; and a tiny
+batch may run inline, on the loop's own thread (below).
+
 The loop submits a :class:`BatchJob`; whichever instance thread is free takes
 it, stacks the inputs, runs the engine and posts the outcome back through
-:func:`aserve.loop.handoff.post_threadsafe`. The batcher only submits while
+:mod:`aserve.workers.handoff`. The batcher only submits while
 it knows an instance is free, so jobs never pile up in the thread queue.
 
-Tiny batches run on the loop instead. Handing a batch to a thread and back
+**Inline on the loop.** Tiny batches run on the loop instead
+(:meth:`ExecutorPool._run_inline_on_loop`). Handing a batch to a thread and back
 costs ~0.1-0.25 ms of wake-ups (and GIL hand-overs), several times what a
 tiny CPU model takes to run: the plain handler that calls such a model per
 request answers faster than any batcher that uses threads. So for an engine
@@ -25,42 +31,14 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from aserve.engines.base import Engine
-from aserve.loop.handoff import post_threadsafe
+from aserve.workers.handoff import post_threadsafe, poster, settle_threadsafe
+from aserve.workers.job import BatchJob
 
 log = logging.getLogger("aserve.executor")
-
-
-class BatchJob:
-    """One batch on its way to an instance thread and back.
-
-    ``on_done(job)`` is called on the loop after the thread filled in either
-    ``outputs`` or ``error`` and the timings. ``tag`` is the submitter's own
-    bookkeeping; the thread never reads it.
-    """
-
-    __slots__ = ("error", "infer_ns", "input_ns", "on_done", "outputs", "parts", "size", "tag")
-
-    def __init__(
-        self,
-        parts: Sequence[dict[str, np.ndarray]],
-        size: int,
-        on_done: Callable[[BatchJob], Any],
-        tag: Any = None,
-    ) -> None:
-        self.parts = parts
-        self.size = size
-        self.on_done = on_done
-        self.tag = tag
-        self.outputs: dict[str, np.ndarray] | None = None
-        self.error: BaseException | None = None
-        self.input_ns = 0
-        self.infer_ns = 0
 
 
 _STOP = object()
@@ -130,18 +108,22 @@ class ExecutorPool:
         return ready
 
     def submit(self, job: BatchJob) -> None:
-        """Hand a batch to the next free instance, or run it now if it is tiny
-        (loop side; either way ``job.on_done`` is called later, on the loop)."""
-        if self._inline_instance is not None and self._fits_inline(job.size):
-            assert self._loop is not None
-            _run(self.engine, job, self._inline_instance)
-            self.inline_batches += 1
-            self._loop.call_soon(self._finished, job)
+        """Hand a batch to the next free instance thread, or, if it is tiny, run it
+        inline on the loop (loop side; either way ``job.on_done`` is called later,
+        on the loop)."""
+        if self._inline_instance is not None and self._inline.get(job.size.bit_length(), False):
+            self._run_inline_on_loop(job)
             return
         self._jobs.put(job)
 
-    def _fits_inline(self, size: int) -> bool:
-        return self._inline.get(size.bit_length(), False)
+    def _run_inline_on_loop(self, job: BatchJob) -> None:
+        """Stack, run and check ``job`` here, on the loop's thread, with the instance
+        created there: only batch-size classes measured under :data:`INLINE_MAX_NS`
+        come here. Answered through ``call_soon``, never from inside ``submit``."""
+        assert self._loop is not None
+        _run(self.engine, job, self._inline_instance)
+        self.inline_batches += 1
+        self._loop.call_soon(self._finished, job)
 
     def _finished(self, job: BatchJob) -> None:
         """Every batch comes back here (on the loop): learn its cost, then answer it."""
@@ -213,11 +195,12 @@ class ExecutorPool:
         except BaseException as exc:  # reported to start(), which fails the model load
             if not isinstance(exc, Exception):  # never re-raise SystemExit & co. on the loop
                 exc = RuntimeError(f"creating instance {index} raised {exc!r}")
-            post_threadsafe(loop, _settle, ready, exc)
+            settle_threadsafe(loop, ready, exc)
             return
-        post_threadsafe(loop, _settle, ready, None)
+        settle_threadsafe(loop, ready, None)
 
         engine = self.engine
+        post = poster(loop)
         job: Any = None
         try:
             while True:
@@ -225,7 +208,10 @@ class ExecutorPool:
                 if job is _STOP:
                     return
                 _run(engine, job, instance)
-                post_threadsafe(loop, self._finished, job)
+                try:
+                    post(self._finished, job)
+                except RuntimeError:  # the loop has closed: nothing is left to answer
+                    return
                 job = None
         except BaseException as exc:  # the thread dies: tell the loop, then answer its batch
             # In this order, so that the batcher, answered, counts this instance out.
@@ -250,12 +236,3 @@ def _run(engine: Engine, job: BatchJob, instance: Any) -> None:
         job.input_ns, job.infer_ns = t1 - t0, t2 - t1
     except Exception as exc:
         job.error = exc
-
-
-def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)

@@ -3,7 +3,8 @@
 :func:`plan` takes the state of one model's queue, the clock and the
 estimates, and says how many items to run now, or until when to wait. It has
 no side effects, touches no asyncio object and reads no clock, so tests drive
-it with plain numbers.
+it with plain numbers. Layer: ``sched`` (pure); called on the loop by
+:mod:`aserve.loop.batcher`.
 
 The rules, in order (``n`` = items waiting, ``L(k)`` = estimated run time of
 a batch of ``k``):

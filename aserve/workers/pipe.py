@@ -1,4 +1,4 @@
-"""The server's end of a child process's pipe, on the event loop.
+"""The server's end of a child process's pipe, on the event loop (layer: ``workers``).
 
 The child reads and writes its end as a plain, blocking
 :class:`multiprocessing.connection.Connection`. The server must not: watching
@@ -32,7 +32,7 @@ class PipeChannel(asyncio.Protocol):
     """
 
     def __init__(self, on_message: Callable[[bytes], None], on_closed: Callable[[], None]) -> None:
-        self._on_message = on_message
+        self.on_message = on_message  # its owner may hand the stream on (see Supervisor)
         self._on_closed = on_closed
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
@@ -59,7 +59,7 @@ class PipeChannel(asyncio.Protocol):
                 return
             payload = bytes(buf[start:end])
             del buf[:end]
-            self._on_message(payload)
+            self.on_message(payload)
             if self.closed:
                 return
 

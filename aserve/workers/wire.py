@@ -2,7 +2,8 @@
 
 Numeric arrays travel as ``(dtype, shape, raw bytes)``; object arrays (BYTES
 tensors) as a flat list of ``bytes``/``str`` items. Nothing is pickled: the
-worker and the server exchange plain data only.
+worker and the server exchange plain data only. Layer: ``workers``; used on
+both ends of a pipe (the loop, and a child process), it imports no asyncio.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """The one executor thread of a decoder model: it runs the engine's steps.
 
+Layer: ``workers``. ``start``/``submit``/``stop`` run on the loop; the
+thread's side (``_main_threadsafe``) runs on its own thread.
+
 The continuous batcher (on the loop) submits one :class:`StepJob` at a time:
 sequences to free, sequences to prefill, sequences to decode. The thread
 frees, steps, and posts the job back through
-:func:`aserve.loop.handoff.post_threadsafe`; the job's ``on_done`` then runs
+:mod:`aserve.workers.handoff`; the job's ``on_done`` then runs
 on the loop. The thread owns the engine's KV cache and every started
 sequence, and never touches an asyncio object.
 """
@@ -19,52 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from aserve.engines.decoder import DecoderEngine, Sequence
-from aserve.loop.handoff import post_threadsafe
-from aserve.types.generation import StepOutput
+from aserve.workers.handoff import poster, settle_threadsafe
+from aserve.workers.job import StepJob
 
 log = logging.getLogger("aserve.executor")
-
-
-class StepJob:
-    """One engine step on its way to the thread and back.
-
-    ``free`` are sequences whose slots go back first (cancelled, expired, or
-    left over from a failed step), so a step can reuse them at once. Then
-    ``new`` are prefilled and ``running`` decoded; ``outputs`` has one entry
-    per sequence of ``new + running``, in that order, unless ``error`` is set
-    (``not_run`` too when the step never reached the engine).
-    ``tag`` is the submitter's own bookkeeping; the thread never reads it.
-    """
-
-    __slots__ = (
-        "error",
-        "free",
-        "infer_ns",
-        "new",
-        "not_run",
-        "on_done",
-        "outputs",
-        "running",
-        "tag",
-    )
-
-    def __init__(
-        self,
-        new: list[Sequence],
-        running: list[Sequence],
-        free: list[Sequence],
-        on_done: Callable[[StepJob], Any],
-        tag: Any = None,
-    ) -> None:
-        self.new = new
-        self.running = running
-        self.free = free
-        self.on_done = on_done
-        self.tag = tag
-        self.outputs: list[StepOutput] = []
-        self.error: BaseException | None = None
-        self.not_run = False  # with error: the step never reached the engine
-        self.infer_ns = 0
 
 
 _STOP = object()
@@ -79,6 +40,8 @@ class StepExecutor:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.restarts = 0  # a step thread is never replaced
+        self.on_live: Callable[[], Any] | None = None  # never called: ``live`` stays 1
 
     async def start(self) -> None:
         """Start the thread; returns once it has set itself up for the engine."""
@@ -95,9 +58,9 @@ class StepExecutor:
         await ready
 
     @property
-    def alive(self) -> bool:
-        """Steps can be submitted (the thread's queue always takes them)."""
-        return True
+    def live(self) -> int:
+        """1: steps can be submitted (the thread's queue always takes them)."""
+        return 1
 
     def check(self, seq: Sequence) -> None:
         """Whether ``seq`` can be stepped (a thread takes any sequence)."""
@@ -125,10 +88,11 @@ class StepExecutor:
         try:
             engine.create_instance(0)
         except Exception as exc:  # reported to start(), which fails the model load
-            post_threadsafe(loop, _settle, ready, exc)
+            settle_threadsafe(loop, ready, exc)
             return
-        post_threadsafe(loop, _settle, ready, None)
+        settle_threadsafe(loop, ready, None)
         perf = time.perf_counter_ns
+        post = poster(loop)
         while True:
             job = self._jobs.get()
             if job is _STOP:
@@ -141,13 +105,7 @@ class StepExecutor:
                 job.infer_ns = perf() - t0
             except Exception as exc:
                 job.error = exc
-            post_threadsafe(loop, job.on_done, job)
-
-
-def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
+            try:
+                post(job.on_done, job)
+            except RuntimeError:  # the loop has closed: nothing is left to answer
+                return

@@ -1,4 +1,9 @@
-"""Per-batch-size run time estimates, learned from warm-up and live batches."""
+"""Per-batch-size run time estimates, learned from warm-up and live batches.
+
+Also the arrival rate and the admission margin. Layer: ``sched`` (pure: no
+asyncio; time comes in as arguments or from the ``clock`` a caller passes),
+called on the loop by :mod:`aserve.loop.batcher`.
+"""
 
 from __future__ import annotations
 

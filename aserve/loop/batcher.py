@@ -1,7 +1,11 @@
 """The loop-side batcher of one model: queue, admission, timers, dispatch.
 
-Runs on the event loop only. The decisions come from :mod:`.policy`; this
-module keeps the state they need and carries them out:
+Layer: ``loop``; runs on the event loop only. It depends on the
+:class:`~aserve.workers.job.Executor` protocol, not on a concrete pool: a
+thread pool, worker processes or several device pools take its batches. The
+decisions come from :mod:`aserve.sched.policy` and the estimates from
+:mod:`aserve.sched.latency`; this module keeps the state they need and
+carries them out:
 
 - ``submit`` admits a request or refuses it at once (queue full, or its
   deadline cannot be met given the queue ahead and measured latencies).
@@ -28,12 +32,11 @@ from collections import deque
 from collections.abc import Callable
 
 from aserve.config import BatchingConfig
-from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
+from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
-from aserve.scheduler.latency import AdmissionMargin, ArrivalRate, LatencyModel
-from aserve.scheduler.loop_lag import LoopLag
-from aserve.scheduler.policy import (
+from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
+from aserve.sched.policy import (
     BatchLimits,
     QueueView,
     deadline_cap,
@@ -41,20 +44,26 @@ from aserve.scheduler.policy import (
     predicted_finish,
 )
 from aserve.stats import ModelStats
+from aserve.workers.job import BatchJob, Executor
 
 log = logging.getLogger("aserve.batcher")
 
 
-class _Running:
-    """A batch in an executor thread, as the loop tracks it."""
-
-    __slots__ = ("expected_end", "requests", "size", "started", "timer")
+class _Running(BatchJob):
+    """A batch in an executor, as the loop tracks it: it is the job it submits."""
 
     def __init__(
-        self, requests: list[InferenceRequest], size: int, started: float, expected_end: float
+        self,
+        requests: list[InferenceRequest],
+        size: int,
+        started: float,
+        expected_end: float,
+        on_done: Callable[[_Running], None],
     ):
-        self.requests = requests
+        self.parts = [r.inputs for r in requests]
         self.size = size
+        self.on_done = on_done
+        self.requests = requests
         self.started = started
         self.expected_end = expected_end
         self.timer: asyncio.TimerHandle | None = None
@@ -65,7 +74,7 @@ class Batcher:
         self,
         label: str,
         batching: BatchingConfig,
-        pool: ExecutorPool,
+        pool: Executor[BatchJob],
         stats: ModelStats,
         clock: Callable[[], float] = time.monotonic,
         loop_lag: LoopLag | None = None,
@@ -311,9 +320,7 @@ class Batcher:
             return False
         heapq.heappop(heap)
         self._unqueue(head)
-        self._stats.timed_out += 1
-        self.margin.missed(now, head.deadline - head.arrival, _overrun(head, head.deadline))
-        _fail(head, DeadlineExceeded(
+        self._time_out(head, now, head.deadline, (
             f"request given up after {(now - head.arrival) * 1e3:.1f} ms in the queue of "
             f"'{self.label}': {(head.deadline - now) * 1e3:.1f} ms left, enough only for a batch "
             f"of {cap} while {full} wait; the server is overloaded"
@@ -326,12 +333,17 @@ class Batcher:
             req = heapq.heappop(heap)
             if req.queued:
                 self._unqueue(req)
-                self._stats.timed_out += 1
-                self.margin.missed(now, req.deadline - req.arrival, _overrun(req, now))
-                _fail(req, DeadlineExceeded(
+                self._time_out(req, now, now, (
                     f"request timed out after {(now - req.arrival) * 1e3:.1f} ms waiting in the "
                     f"queue of '{self.label}'"
                 ))  # fmt: skip
+
+    def _time_out(self, req: InferenceRequest, now: float, until: float, message: str) -> None:
+        """Answer ``req`` with a timeout (``message``), counted and told to the margin
+        (its overrun measured ``until`` then)."""
+        self._stats.timed_out += 1
+        self.margin.missed(now, req.deadline - req.arrival, _overrun(req, until))
+        _fail(req, DeadlineExceeded(message))
 
     def _form(self, take: int, now: float) -> list[InferenceRequest]:
         """Pop up to ``take`` items of one input shape, earliest deadline first."""
@@ -368,15 +380,15 @@ class Batcher:
             queue_ns += int(waited * 1e9)
             observe_queue(waited)
         self._stats.queue.add(queue_ns, len(picked))
-        running = _Running(picked, size, now, now + self.latency.estimate(size))
+        running = _Running(picked, size, now, now + self.latency.estimate(size), self._on_done)
         earliest = min(r.deadline for r in picked)
         running.timer = self._loop.call_later(earliest - now, self._expire_running, running)
         self._running.add(running)
-        self._pool.submit(BatchJob([r.inputs for r in picked], size, self._on_done, running))
+        self._pool.submit(running)
 
-    def _on_done(self, job: BatchJob) -> None:
-        """A batch came back from its executor thread (called on the loop)."""
-        running: _Running = job.tag
+    def _on_done(self, job: _Running) -> None:
+        """A batch came back from its executor (called on the loop)."""
+        running = job
         now = self._clock()
         self._running.discard(running)
         if running.timer is not None:
@@ -421,9 +433,7 @@ class Batcher:
             if req.future.done():
                 continue
             if req.deadline <= now:
-                self._stats.timed_out += 1
-                self.margin.missed(now, req.deadline - req.arrival, _overrun(req, now))
-                _fail(req, DeadlineExceeded(
+                self._time_out(req, now, now, (
                     f"request timed out after {(now - req.arrival) * 1e3:.1f} ms; the model "
                     f"'{self.label}' was still running its batch"
                 ))  # fmt: skip

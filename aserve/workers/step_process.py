@@ -1,0 +1,214 @@
+"""A decoder model's steps in a child process: the engine gets its own GIL.
+
+Why a process: a decode step is hundreds of small torch calls, and each one
+gives the GIL up and takes it back. With the steps on a thread of the server
+process, every stretch of Python the event loop runs (parsing requests,
+encoding and writing a token chunk for each stream) makes the step wait for
+the GIL; at 32 streams the steps ran ~20% slower than the same engine alone.
+In a child process the steps and the loop run on two cores without meeting.
+
+The parent keeps the engine's front (tokenizer and model shape, see
+:meth:`DecoderEngine.load_front`) to validate and build sequences on the
+loop. :class:`ProcessStepExecutor` is an :class:`~aserve.workers.job.Executor`,
+as :class:`aserve.workers.step_executor.StepExecutor` is: the continuous batcher
+submits one :class:`StepJob` at a time and gets it back through its
+``on_done``, on the loop. The job crosses a pipe as msgpack: new sequences
+as their validated settings (the child rebuilds them with
+:meth:`DecoderEngine.build_sequence`), the others by a key; outputs come back
+as plain fields. There is no thread on the parent side: the loop writes the
+request and reads the answer through the pipe's transport
+(:mod:`aserve.workers.pipe`). Layer: ``workers``; everything here runs on the
+loop, the child's side is :func:`aserve.workers.child.step_main`.
+
+The child owns the weights, the KV cache and every started sequence. It
+ignores SIGINT/SIGTERM (the server drains first, then stops it) and exits
+when the pipe closes, so it never outlives the server. Its life (spawn,
+handshake, restart with backoff, stop) is its
+:class:`~aserve.workers.supervisor.Supervisor`'s. If it dies, the step
+in flight fails, every sequence it held is ended (``on_lost``), and a new
+child is started; until it is up, :attr:`ProcessStepExecutor.live` is 0
+(the model reports not ready), the batcher submits no step and its waiting
+sequences stay queued, and ``on_live`` tells it when the new child is up.
+A step submitted anyway fails with ``not_run`` set: it never reached a child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from aserve.engines.decoder import Sequence
+from aserve.errors import InvalidArgument
+from aserve.types.generation import StepOutput
+from aserve.workers.child import WorkerArgs, step_main
+from aserve.workers.job import StepJob
+from aserve.workers.supervisor import Supervisor
+
+__all__ = ["ProcessStepExecutor", "StepProcessError", "WorkerArgs"]
+
+log = logging.getLogger("aserve.executor")
+
+
+class StepProcessError(RuntimeError):
+    """The step process failed a step, died, or is being restarted."""
+
+
+class ProcessStepExecutor:
+    """Runs one decoder engine's steps in a child process, in submission order."""
+
+    def __init__(self, args: WorkerArgs, on_lost: Callable[[BaseException], None]) -> None:
+        self.args = args
+        self.name = args.name
+        self._on_lost = on_lost
+        self.on_live: Callable[[], Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sup = Supervisor(
+            step_main, (args,), f"step process of '{self.name}'", f"aserve-{self.name}-steps",
+            StepProcessError, self._on_message, self._lost, self._live_changed,
+        )  # fmt: skip
+        self._job: StepJob | None = None
+        self._keys: dict[Sequence, int] = {}  # parent sequence -> the child's key
+        self._next_key = 0
+        self._stopping = False
+        self._gone = False  # a send failed: no more steps until the supervisor has news
+
+    @property
+    def live(self) -> int:
+        """1 while a child is up and answering, 0 while one is being restarted."""
+        return 1 if self._sup.up and not self._gone else 0
+
+    @property
+    def restarts(self) -> int:
+        return self._sup.restarts
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id while one is up."""
+        return self._sup.pid
+
+    async def start(self) -> None:
+        """Start the child; returns once it has loaded the model (or raises why not)."""
+        self._loop = asyncio.get_running_loop()
+        await self._sup.start()
+
+    def submit(self, job: StepJob) -> None:
+        """Send a step to the child (loop side, never waits for it)."""
+        if not self.live:
+            job.error = StepProcessError(f"the step process of '{self.name}' is restarting")
+            job.not_run = True
+            self._finish(job)
+            return
+        free = [k for k in (self._keys.pop(s, None) for s in job.free) if k is not None]
+        new = []
+        for s in job.new:
+            key = self._next_key
+            self._next_key += 1
+            self._keys[s] = key
+            new.append(_wire_spec(key, s))
+        running = [self._keys[s] for s in job.running]
+        try:
+            payload = msgpack.packb(("step", free, new, running))
+        except (TypeError, ValueError, OverflowError) as exc:
+            # check() refuses such a sequence before it is queued; should one
+            # still get here, its step fails (every member) instead of leaving
+            # the batcher waiting for an answer that never comes.
+            for s in job.new:
+                self._keys.pop(s, None)
+            job.error = StepProcessError(f"a step of '{self.name}' cannot be sent: {exc}")
+            self._finish(job)
+            return
+        self._job = job
+        channel = self._sup.channel
+        assert channel is not None  # live
+        try:
+            channel.send(payload)
+        except OSError as exc:  # the child is gone; on_lost follows once it is reaped
+            self._job = None
+            self._gone = True  # the batcher waits for on_live
+            for s in job.new:
+                self._keys.pop(s, None)
+            job.error = StepProcessError(f"the step process of '{self.name}' is gone: {exc}")
+            job.not_run = True
+            self._finish(job)
+
+    def check(self, seq: Sequence) -> None:
+        """Refuse (InvalidArgument) a sequence that cannot cross the pipe, before
+        it is queued: found at ``submit``, it would fail its whole step."""
+        try:
+            msgpack.packb(_wire_spec(0, seq))
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidArgument(
+                f"the request cannot be sent to the step process: {exc}"
+            ) from None
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Let the child finish its current step and exit (that step is not answered)."""
+        self._stopping = True
+        await self._sup.stop(timeout)
+
+    # --- answers, on the loop ------------------------------------------------------
+
+    def _on_message(self, payload: bytes) -> None:
+        if self._stopping:
+            return
+        msg = msgpack.unpackb(payload, use_list=True)
+        if msg[0] == "ready":
+            return
+        job, self._job = self._job, None
+        if job is None:
+            log.error("step process of '%s' answered with no step in flight", self.name)
+            return
+        seqs = job.new + job.running
+        if msg[0] == "step":
+            outputs, job.infer_ns = msg[1], msg[2]
+            job.outputs = [
+                StepOutput(s.request_id, *out) for s, out in zip(seqs, outputs, strict=True)
+            ]
+            for s, out in zip(seqs, job.outputs, strict=True):
+                if out.finished:  # the child freed its slot and forgot it
+                    self._keys.pop(s, None)
+        else:  # "error": the new sequences are gone in the child, the running ones stay
+            job.error = StepProcessError(msg[1])
+            for s in job.new:
+                self._keys.pop(s, None)
+        self._finish(job)
+
+    def _finish(self, job: StepJob) -> None:
+        assert self._loop is not None
+        # Never re-enter the batcher from inside its own submit().
+        self._loop.call_soon(job.on_done, job)
+
+    def _lost(self, reason: str) -> None:
+        """The child died (and was reaped): the step in flight and every sequence it held
+        are gone."""
+        if self._stopping:
+            return
+        error = StepProcessError(reason)
+        job, self._job = self._job, None
+        self._keys.clear()
+        if job is not None:
+            job.error = error
+            self._finish(job)
+        self._on_lost(error)
+
+    def _live_changed(self) -> None:
+        self._gone = False
+        if self.on_live is not None:
+            self.on_live()
+
+
+def _wire_spec(key: int, s: Sequence) -> tuple[Any, ...]:
+    """A new sequence as the child rebuilds it (:meth:`DecoderEngine.build_sequence`)."""
+    return (
+        key,
+        s.request_id,
+        s.prompt_ids,
+        dataclasses.astuple(s.params),
+        s.max_tokens,
+        sorted(s.stop_token_ids),
+    )

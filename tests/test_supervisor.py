@@ -1,0 +1,168 @@
+"""The one supervisor of the server's child processes: handshake, restart with
+backoff, stop. Real child processes (tests/supervised_child.py), a recorded
+sleep instead of the backoff's waits."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import supervised_child
+
+from aserve.workers.supervisor import RESTART_BACKOFF_S, Supervisor, restart_delay
+
+pytestmark = pytest.mark.timeout(60)
+
+BACKOFF = (0.25, 0.5, 1.5)
+
+
+class ChildFailed(RuntimeError):
+    pass
+
+
+class Owner:
+    """What an executor does with its supervisor's news, recorded."""
+
+    def __init__(self, tmp_path: Path, plan: list[str], sleep: Any = None) -> None:
+        self.attempts = tmp_path / "attempts"
+        self.attempts.mkdir()
+        self.messages: list[list[Any]] = []
+        self.heard = asyncio.Event()
+        self.lost: list[str] = []
+        self.lives: list[bool] = []
+        self.delays: list[float] = []
+        self.changed = asyncio.Event()
+        self.sup = Supervisor(
+            supervised_child.main, (str(self.attempts), plan), "child 't'", "aserve-test-child",
+            ChildFailed, self._message, self.lost.append, self._live,
+            backoff=BACKOFF, sleep=sleep or self._sleep,
+        )  # fmt: skip
+
+    def send(self, msg: tuple[Any, ...]) -> None:
+        assert self.sup.channel is not None
+        self.sup.channel.send(msgpack.packb(msg))
+
+    def _message(self, payload: bytes) -> None:
+        msg = msgpack.unpackb(payload)
+        if msg[0] == "fatal":  # an owner records it, for the exit reason
+            self.sup.fatal = msg[1]
+        self.messages.append(msg)
+        self.heard.set()
+
+    async def _sleep(self, seconds: float) -> None:
+        self.delays.append(seconds)
+
+    def _live(self) -> None:
+        self.lives.append(self.sup.up)
+        self.changed.set()
+
+    async def until(self, lives: int) -> None:
+        while len(self.lives) < lives:
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), 30)
+
+    def started(self) -> int:
+        return len(list(self.attempts.iterdir()))
+
+    async def echo(self, text: str) -> list[Any]:
+        self.heard.clear()
+        self.send(("echo", text))
+        await asyncio.wait_for(self.heard.wait(), 30)
+        return self.messages[-1]
+
+
+def test_the_default_backoff_grows_to_ten_seconds_and_stays() -> None:
+    assert [restart_delay(i) for i in range(7)] == [0.5, 1.0, 2.0, 5.0, 10.0, 10.0, 10.0]
+    assert RESTART_BACKOFF_S[-1] == 10.0
+    assert [restart_delay(i, BACKOFF) for i in range(4)] == [0.25, 0.5, 1.5, 1.5]
+
+
+async def test_a_child_that_dies_is_restarted_backing_off_between_failed_starts(
+    tmp_path: Path,
+) -> None:
+    o = Owner(tmp_path, ["ok", "load_error", "load_error", "ok", "load_error", "ok"])
+    await o.sup.start()
+    try:
+        assert o.sup.up and o.sup.pid is not None and o.messages == [["ready", 0]]
+        assert await o.echo("a") == ["echo", 0, "a"]
+        first = o.sup.pid
+
+        o.send(("die",))
+        await o.until(2)
+        assert o.lives == [False, True]  # down at once, up once a start succeeded
+        assert o.lost == ["the child 't' exited (exit code 3)"]  # told after it was reaped
+        assert o.delays == [0.25, 0.5]  # one wait per failed start, each longer
+        assert o.started() == 4 and o.sup.restarts == 1
+        assert o.sup.pid not in (None, first)
+        assert await o.echo("b") == ["echo", 3, "b"]
+
+        o.send(("die",))  # a new death starts the backoff over
+        await o.until(4)
+        assert o.lives == [False, True, False, True]
+        assert o.delays == [0.25, 0.5, 0.25]
+        assert o.started() == 6 and o.sup.restarts == 2
+        assert await o.echo("c") == ["echo", 5, "c"]
+    finally:
+        await o.sup.stop()
+    assert not o.sup.up and o.sup.pid is None
+
+
+async def test_a_failed_first_start_raises_the_load_error_and_is_not_retried(
+    tmp_path: Path,
+) -> None:
+    o = Owner(tmp_path, ["load_error", "ok"])
+    with pytest.raises(ChildFailed, match=r"cannot load \(attempt 0\)"):
+        await o.sup.start()
+    assert not o.sup.up and o.started() == 1 and o.lives == [] and o.lost == []
+    await o.sup.stop()
+    assert o.started() == 1
+
+
+async def test_a_child_that_exits_before_its_handshake_fails_its_start(tmp_path: Path) -> None:
+    o = Owner(tmp_path, ["exit"])
+    with pytest.raises(ChildFailed, match="the child 't' exited"):
+        await o.sup.start()
+    assert not o.sup.up and o.lives == []
+
+
+async def test_what_a_dying_child_said_is_in_the_reason(tmp_path: Path) -> None:
+    o = Owner(tmp_path, ["ok"])
+    await o.sup.start()
+    try:
+        o.send(("fatal",))
+        await o.until(2)
+        assert o.lost == ["the child 't' exited (exit code 4): SystemExit: bye"]
+        assert o.delays == []  # the first restart worked: no wait
+    finally:
+        await o.sup.stop()
+
+
+async def test_stop_cuts_a_restart_short_and_still_reports_what_was_lost(
+    tmp_path: Path,
+) -> None:
+    waiting = asyncio.Event()
+
+    async def held(seconds: float) -> None:
+        o.delays.append(seconds)
+        waiting.set()
+        await asyncio.Event().wait()  # until cancelled
+
+    o = Owner(tmp_path, ["ok", "load_error"], sleep=held)
+    await o.sup.start()
+    o.send(("die",))
+    await asyncio.wait_for(waiting.wait(), 30)  # the first restart failed; backing off
+    assert o.lives == [False] and o.lost == ["the child 't' exited (exit code 3)"]
+    await asyncio.wait_for(o.sup.stop(), 30)
+    assert o.started() == 2 and o.delays == [0.25] and o.sup.restarts == 0
+    assert not o.sup.up and o.lives == [False] and len(o.lost) == 1
+
+
+async def test_stop_reads_the_answer_a_child_wrote_before_it_exited(tmp_path: Path) -> None:
+    o = Owner(tmp_path, ["ok"])
+    await o.sup.start()
+    o.send(("echo", "last"))
+    await o.sup.stop()
+    assert o.messages[-1] == ["echo", 0, "last"] and o.lives == []
