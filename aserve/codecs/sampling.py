@@ -2,7 +2,7 @@
 of KServe-style request parameters (string/number/bool values).
 
 :func:`sampling_settings` holds the bounds every route checks at the edge:
-the OpenAI API (:mod:`aserve.frontends.openai`), Triton's generate extension
+the OpenAI API (:mod:`aserve.frontends.http.openai`), Triton's generate extension
 (its ``parameters`` object and top-level keys), a KServe ``/infer`` or
 ``ModelInfer`` on a decoder model, the requests of a decoupled
 ``ModelStreamInfer`` and gRPC ``Generate``. A value past a bound would

@@ -21,10 +21,11 @@ import signal
 from pathlib import Path
 
 from aserve.config import ServerConfig
+from aserve.context import FrontendContext
 from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit, cuda_indices, gpu_present
 from aserve.frontends.auth import ApiKeys, load_api_keys
-from aserve.frontends.grpc import GrpcFrontend
-from aserve.frontends.http import CUT_OFF_S, HttpFrontend
+from aserve.frontends.grpc.server import GrpcFrontend
+from aserve.frontends.http.app import CUT_OFF_S, HttpFrontend
 from aserve.loop.fd_limit import raise_open_file_limit
 from aserve.loop.generation import GenerationRuntime
 from aserve.loop.limits import Admission
@@ -65,8 +66,12 @@ class Server:
         self.reloader = Reloader(self, source)
         self.metrics = Metrics(self)  # before the frontends, which count requests in it
         self.admission = Admission(config.limits.max_concurrency, self.metrics.requests.rejected)
-        self.http = HttpFrontend(self)
-        self.grpc = GrpcFrontend(self) if config.grpc is not None else None
+        frontend = FrontendContext(
+            config, base_dir, self.registry, self.admission, self.metrics, self.reloader,
+            self.api_keys, self.not_ready_reason,
+        )  # fmt: skip
+        self.http = HttpFrontend(frontend)
+        self.grpc = GrpcFrontend(frontend) if config.grpc is not None else None
         self._stop_requested: asyncio.Event | None = None
         self._cache_releaser: asyncio.Task[None] | None = None
         self._listening = False  # both frontends' sockets are bound
