@@ -161,7 +161,7 @@ async def test_every_route_with_parameters_refuses_a_bad_timeout_parameter(
     async with aiohttp.ClientSession() as session, watch_loop(srv.base):
         for path, body, where in _http_routes():
             if not where:
-                continue  # OpenAI's API has no timeout parameter: only the header
+                continue  # OpenAI: a top-level timeout_ms field (test_deadline_routes.py)
             for name in ("timeout_ms", "timeout"):
                 for value in BAD_JSON_PARAMS:
                     text = orjson.dumps({**body, where: {"__": 0}}).decode()

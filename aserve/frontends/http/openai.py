@@ -22,7 +22,10 @@ request; ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
 ``top_p``, ``seed``, ``stop`` (at most 4), and vLLM's extensions ``top_k``
 and ``ignore_eos``. Penalties, ``logit_bias`` and ``user`` are accepted and
 ignored; ``logprobs``, ``echo``, ``suffix``, ``best_of`` > 1, tools and
-structured ``response_format`` are refused with 400.
+structured ``response_format`` are refused with 400. aserve's own
+``timeout_ms`` field bounds the request as the ``aserve-timeout-ms`` header
+does (the earlier of the two applies; see
+:func:`aserve.frontends.common.resolve_deadline`).
 
 Frontends layer; handlers run on the loop.
 """
@@ -38,6 +41,7 @@ import orjson
 from aiohttp import web
 
 from aserve.codecs.sampling import SAMPLING_KEYS, BadSetting, sampling_settings
+from aserve.codecs.timeouts import parameter_timeout_s
 from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
@@ -350,6 +354,11 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
         if (v := body.get(name)) is not None and (not _is_number(v) or not -2 <= v <= 2):
             raise FieldError(name, f"must be a number from -2 to 2 (got {v!r})")
     out.params = SamplingParams(**kw)
+    if body.get("timeout_ms") is not None:
+        try:
+            out.timeout_s = parameter_timeout_s({"timeout_ms": body["timeout_ms"]})
+        except InvalidArgument as exc:
+            raise FieldError("timeout_ms", exc.message) from None
     return out
 
 
