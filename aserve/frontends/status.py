@@ -3,6 +3,8 @@
 Each :class:`~aserve.errors.ErrorCode` maps to an HTTP status and a gRPC
 status code here and nowhere else, so the same failure reads the same over
 REST and gRPC. The derived per-frontend dicts are what the hot paths index.
+
+Frontends layer, pure tables.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from aserve._proto import aserve_pb2_grpc
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
-from aserve.frontends.auth import GrpcAuthInterceptor, grpc_server_credentials
+from aserve.frontends.grpc.auth import GrpcAuthInterceptor, grpc_server_credentials
 from aserve.frontends.grpc.calls import InFlight
 from aserve.frontends.grpc.generate import SERVICE_NAME as GENERATION_SERVICE
 from aserve.frontends.grpc.generate import GenerationServicer

@@ -1,4 +1,4 @@
-"""HTTP routes that change or report what is served (on the loop).
+"""HTTP routes that change or report what is served (frontends layer, on the loop).
 
 - ``GET /v2/config/status``: the config in force (its hash), the last reload
   and its result, the last error, settings waiting for a restart, reload

@@ -28,9 +28,9 @@ from aserve import __version__
 from aserve.codecs.v2 import decode_request, encode_response
 from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, InvalidArgument, TooLarge, Unavailable
-from aserve.frontends.auth import http_middleware, server_ssl_context
 from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, resolve_deadline
 from aserve.frontends.http.admin import add_admin_routes
+from aserve.frontends.http.auth import http_middleware, server_ssl_context
 from aserve.frontends.http.dashboard import add_dashboard_routes
 from aserve.frontends.http.drain import IdleCloser, take_queued
 from aserve.frontends.http.generate import add_generate_routes

@@ -1,4 +1,4 @@
-"""``GET /``: the live dashboard, and ``GET /v2/dashboard/stats``, the JSON it polls (on the loop).
+"""``GET /``: the live dashboard, and ``GET /v2/dashboard/stats``, the JSON it polls (frontends layer, on the loop).
 
 The page is ``dashboard.html`` beside this module (package data): hand-written
 JS drawing SVG, no external assets, since the server may be offline. It is

@@ -1,4 +1,4 @@
-"""What an HTTP connection may hold, for the aiohttp frontend (on the loop).
+"""What an HTTP connection may hold, for the aiohttp frontend (frontends layer, on the loop).
 
 aiohttp accepts every connection and, left alone, keeps one that never sends
 a request for its whole keep-alive timeout. A socket costs an attacker

@@ -1,4 +1,4 @@
-"""``GET /metrics``: Prometheus text, or OpenMetrics when the scraper asks (on the loop).
+"""``GET /metrics``: Prometheus text, or OpenMetrics when the scraper asks (frontends layer, on the loop).
 
 Built on the loop: the collector reads loop-owned counters, and a scrape of
 a few models costs well under a millisecond. (Inference requests are

@@ -3,6 +3,8 @@
 Written by hand, beside the routes; ``tests/test_auth_tls_openapi.py``
 checks that every route the aiohttp app serves is described here and that
 nothing else is. The document is built once and served as bytes.
+
+Frontends layer: built once when the routes are added, served from the loop.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``POST /predictions/{model}[/{version}]``: a raw body for a handler model (on the loop).
+"""``POST /predictions/{model}[/{version}]``: a raw body for a handler model (frontends layer, on the loop).
 
 TorchServe's route: the body goes to the python handler as it came
 (``request.body`` bytes and ``request.content_type``; see
