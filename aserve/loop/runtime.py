@@ -189,7 +189,7 @@ class Server:
            before it stops accepting.
         3. The listeners close (gRPC sends GOAWAY); HTTP answers say
            ``Connection: close`` and idle connections close when no client can
-           be sending on them (see ``aserve/frontends/http_drain.py``).
+           be sending on them (see ``aserve/frontends/http/drain.py``).
         4. Requests in flight are answered, up to ``drain_timeout_s``. Past it,
            generation streams end with a final error event and what still runs
            is cancelled ``CUT_OFF_S`` later. Models stay loaded until after.

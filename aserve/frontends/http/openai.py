@@ -45,7 +45,7 @@ from aserve.codecs.timeouts import parameter_timeout_s
 from aserve.engines.decoder import SamplingParams
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
-from aserve.frontends.http.kit import RUNTIME_KEY, STATUS_KEY, RouteKit
+from aserve.frontends.http.kit import RUNTIME_KEY, STATUS_KEY, RouteKit, json_response
 from aserve.frontends.http.stream import DONE, json_stream
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.generation import (
@@ -121,10 +121,6 @@ def error_response(error: AserveError) -> web.Response:
     )
 
 
-def _json(doc: Any) -> web.Response:
-    return web.Response(body=orjson.dumps(doc), content_type="application/json")
-
-
 def add_openai_routes(kit: RouteKit, ctx: FrontendContext) -> None:
     """Register the OpenAI-compatible API."""
     OpenAIApi(kit, ctx).add_routes(kit)
@@ -167,14 +163,14 @@ class OpenAIApi:
 
     async def list_models(self, request: web.Request) -> web.Response:
         models = sorted(self._models().items())
-        return _json({"object": "list", "data": [self._model_doc(rt) for _, rt in models]})
+        return json_response({"object": "list", "data": [self._model_doc(rt) for _, rt in models]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         rt = self._models().get(name)
         if rt is None:
             return error_response(NotFound(f"The model '{name}' does not exist"))
-        return _json(self._model_doc(rt))
+        return json_response(self._model_doc(rt))
 
     # --- completions ------------------------------------------------------------
 
@@ -243,7 +239,7 @@ async def _whole(req: GenerationRequest, head: dict[str, Any], chat: bool) -> we
         }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-    return _json({**head, "choices": [choice], "usage": usage(last)})
+    return json_response({**head, "choices": [choice], "usage": usage(last)})
 
 
 async def _stream(
