@@ -23,7 +23,7 @@ from typing import Any
 from aserve.codecs.v2 import decode_request
 from aserve.config import BatchingConfig, TensorSpec
 from aserve.errors import Unavailable
-from aserve.frontends.http import error_response
+from aserve.frontends.http.kit import error_response
 from aserve.loop.batcher import Batcher
 from aserve.loop.loop_lag import LoopLag
 from aserve.stats import ModelStats

@@ -26,7 +26,7 @@ from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 from aserve.config import AuthConfig, ConfigError, parse_config
 from aserve.frontends.auth import load_api_keys
-from aserve.frontends.openapi import build_document
+from aserve.frontends.http.openapi import build_document
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -30,7 +30,7 @@ from lm_models import tiny_model
 from reload_helpers import copy_handler
 
 from aserve.config import AuthConfig, DashboardConfig
-from aserve.frontends.dashboard_history import DashboardHistory
+from aserve.frontends.http.dashboard_history import DashboardHistory
 
 pytestmark = pytest.mark.timeout(120)
 

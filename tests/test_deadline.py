@@ -21,8 +21,9 @@ from stall_watch import watch_loop
 
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
+from aserve.codecs.timeouts import parameter_timeout_s
 from aserve.errors import InvalidArgument
-from aserve.loop.deadline import header_timeout_s, parameter_timeout_s, request_timeout_s
+from aserve.frontends.common import resolve_deadline
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,11 +38,13 @@ BAD_JSON_PARAMS = ["0", "-1", "-0.5", '"inf"', "true", "1e309", "Infinity", "NaN
 
 
 def test_the_earliest_given_wins_else_the_default_and_the_cap_bounds_both() -> None:
-    assert request_timeout_s((None, None), 5.0, 600.0) == 5.0
-    assert request_timeout_s((3.0, None, 2.0), 5.0, 600.0) == 2.0
-    assert request_timeout_s((60.0, 0.1), 5.0, 600.0) == 0.1
-    assert request_timeout_s((1e305,), 5.0, 600.0) == 600.0
-    assert request_timeout_s((None,), 900.0, 600.0) == 600.0  # a model's default too
+    assert resolve_deadline(None, None, None, 5.0, 600.0) == 5.0
+    assert resolve_deadline("3000", None, 2.0, 5.0, 600.0) == 2.0
+    assert resolve_deadline(None, 60.0, 0.1, 5.0, 600.0) == 0.1
+    assert resolve_deadline("100", 60.0, None, 5.0, 600.0) == 0.1
+    assert resolve_deadline("60000", 0.1, None, 5.0, 600.0) == 0.1
+    assert resolve_deadline(None, 1e305, None, 5.0, 600.0) == 600.0
+    assert resolve_deadline(None, None, None, 900.0, 600.0) == 600.0  # a model's default too
     assert parameter_timeout_s({"timeout_ms": 500, "timeout": 100_000}) == 0.1
     assert parameter_timeout_s({"timeout_ms": 2**80}) > 1e20  # finite: the cap bounds it
 
@@ -49,7 +52,7 @@ def test_the_earliest_given_wins_else_the_default_and_the_cap_bounds_both() -> N
 @pytest.mark.parametrize("value", [*BAD_HEADERS, "\udcff"])
 def test_a_header_that_is_no_finite_positive_number_is_refused(value: str) -> None:
     with pytest.raises(InvalidArgument, match="aserve-timeout-ms"):
-        header_timeout_s(value)
+        resolve_deadline(value, None, None, 5.0, 600.0)
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), -float("inf"), 0, -1, True, "1"])
@@ -158,7 +161,7 @@ async def test_every_route_with_parameters_refuses_a_bad_timeout_parameter(
     async with aiohttp.ClientSession() as session, watch_loop(srv.base):
         for path, body, where in _http_routes():
             if not where:
-                continue  # OpenAI's API has no timeout parameter: only the header
+                continue  # OpenAI: a top-level timeout_ms field (test_deadline_routes.py)
             for name in ("timeout_ms", "timeout"):
                 for value in BAD_JSON_PARAMS:
                     text = orjson.dumps({**body, where: {"__": 0}}).decode()

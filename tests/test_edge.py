@@ -26,7 +26,7 @@ from stall_watch import watch_loop
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 from aserve.config import ConfigError, parse_config
-from aserve.frontends.http_limits import accept_error_handler
+from aserve.frontends.http.limits import accept_error_handler
 from aserve.log_throttle import Throttled
 
 pytestmark = pytest.mark.timeout(120)

@@ -847,7 +847,7 @@ def openai_malformed(draw: st.DrawFn) -> Req:
 
 # --- /predictions: raw bodies and multipart --------------------------------------------
 
-MAX_PARTS = 128  # aserve/frontends/predictions.py
+MAX_PARTS = 128  # aserve/frontends/http/predictions.py
 BOUNDARY = "fuzzBoundary7"
 MULTIPART = f"multipart/form-data; boundary={BOUNDARY}"
 

@@ -27,7 +27,8 @@ from helpers import frozen, grpc_input, sync_stats, sync_wait_for_stats
 from tritonclient.utils import InferenceServerException
 
 from aserve.errors import ErrorCode
-from aserve.frontends import http, status
+from aserve.frontends import status
+from aserve.frontends.http import kit as http
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -16,7 +16,7 @@ import pytest
 from conftest import ServerProcess
 from gen_helpers import gen_stats, idle, wait_gen
 
-from aserve.streaming.http_stream import wants_ndjson
+from aserve.frontends.http.stream import wants_ndjson
 
 pytestmark = pytest.mark.timeout(90)
 

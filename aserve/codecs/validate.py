@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from aserve.codecs.binary import bytes_elements
+from aserve.codecs.timeouts import parameter_timeout_s
 from aserve.config import TensorSpec
 from aserve.errors import InvalidArgument, TooLarge, Unavailable, Unimplemented
-from aserve.loop.deadline import parameter_timeout_s
 from aserve.types.tensors import DATATYPES, numpy_dtype
 
 # numpy (and every engine) counts in int64: a dimension, and the product of a
@@ -243,7 +243,7 @@ def request_timeout(params: Mapping[str, Any]) -> float | None:
 
     ``timeout_ms`` is aserve's spelling, ``timeout`` (microseconds) Triton's.
     Sequence batching is refused here: both frontends see it the same way.
-    The timeout's rule is :mod:`aserve.loop.deadline`'s.
+    The timeout's rule is :func:`aserve.frontends.common.resolve_deadline`'s.
     """
     timeout_s = parameter_timeout_s(params)
     seq = params.get("sequence_id")

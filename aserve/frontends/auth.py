@@ -1,4 +1,4 @@
-"""API keys for both frontends, and TLS contexts (on the loop).
+"""API keys for both frontends (frontends layer; checked on the loop).
 
 With ``"auth"`` in the config every request must carry one of the keys:
 ``Authorization: Bearer KEY`` over HTTP (an aiohttp middleware), metadata
@@ -7,7 +7,9 @@ With ``"auth"`` in the config every request must carry one of the keys:
 over gRPC the health service is open when a health path is. A request
 without a key, or with a wrong one, is answered 401 (``WWW-Authenticate:
 Bearer``) / ``UNAUTHENTICATED`` before anything else happens. Without
-``"auth"`` nothing is installed: the request path is unchanged.
+``"auth"`` nothing is installed: the request path is unchanged. The HTTP
+middleware is :mod:`aserve.frontends.http.auth`, the gRPC interceptor
+:mod:`aserve.frontends.grpc.auth`; both check with :class:`ApiKeys`.
 
 Keys are compared in constant time, each against every configured key.
 """
@@ -17,22 +19,15 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import ssl
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-import grpc
-import orjson
-from aiohttp import web
-
-from aserve.config import AuthConfig, TlsConfig
+from aserve.config import AuthConfig
 from aserve.log_throttle import Throttled
 
 log = logging.getLogger("aserve.auth")
 
 _BEARER = "bearer "
-_HEALTH_SERVICE = "/grpc.health.v1.Health/"
 _MISSING = "missing API key: send 'authorization: Bearer <key>' (HTTP header or gRPC metadata)"
 _WRONG = "invalid API key"
 _NOT_TEXT = "the authorization must be 'Bearer <key>' in printable ASCII"
@@ -99,99 +94,6 @@ def _sources(auth: AuthConfig) -> str:
     return " and ".join(names)
 
 
-def http_middleware(keys: ApiKeys, open_paths: Iterable[str]) -> Any:
-    """An aiohttp middleware that refuses requests without a valid key."""
-    open_set = frozenset(open_paths)
-
-    @web.middleware
-    async def require_key(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        why = keys.check(request.headers.get("Authorization"))
-        if request.path in open_set:
-            response = await handler(request)
-            if why is not None:
-                # Served without a key (a probe): no keep-alive either, so an
-                # unauthenticated client cannot hold a connection by polling health.
-                response.force_close()
-            return response
-        if why is None:
-            return await handler(request)
-        _refusals.event("refused an HTTP request from %s without a valid API key: %s",
-                        request.remote, why)  # fmt: skip
-        response = web.Response(
-            status=401,
-            body=orjson.dumps({"error": why}),
-            content_type="application/json",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-        # No keep-alive without a key: an unauthenticated client holds no
-        # connection (nor a slot of limits.max_connections) past its answer.
-        response.force_close()
-        return response
-
-    return require_key
-
-
-class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without a valid ``authorization`` metadata entry."""
-
-    def __init__(self, keys: ApiKeys, open_paths: Iterable[str]) -> None:
-        self._keys = keys
-        self._health_open = any(p.startswith("/v2/health") for p in open_paths)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        if self._health_open and details.method.startswith(_HEALTH_SERVICE):
-            return await continuation(details)
-        authorization = None
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                # latin-1 decodes any bytes; check() then refuses what is not ASCII.
-                authorization = value if isinstance(value, str) else bytes(value).decode("latin-1")
-                break
-        why = self._keys.check(authorization)
-        if why is None:
-            return await continuation(details)
-        _refusals.event("refused a gRPC call of %.100r without a valid API key: %s",
-                        details.method, why)  # fmt: skip
-        handler = await continuation(details)
-        return _refusing(handler, why)
-
-
-def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    if handler is None:  # an unknown method: refused all the same, not revealed
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(
-        refuse,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-
-
-def server_ssl_context(tls: TlsConfig, base_dir: Path) -> ssl.SSLContext:
-    """The HTTP frontend's TLS context; OSError (ssl.SSLError) when the files do not do."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(base_dir / tls.cert_file, base_dir / tls.key_file)
-    return context
-
-
-def grpc_server_credentials(tls: TlsConfig, base_dir: Path) -> grpc.ServerCredentials:
-    """The gRPC frontend's TLS credentials; OSError when the files cannot be read."""
-    cert = (base_dir / tls.cert_file).read_bytes()
-    key = (base_dir / tls.key_file).read_bytes()
-    return grpc.ssl_server_credentials([(key, cert)])
+def refused(message: str, *args: object) -> None:
+    """Log a refusal, throttled: refusals need no credentials to cause."""
+    _refusals.event(message, *args)

@@ -8,6 +8,8 @@ exactly the same fields, and comes back as JSON with protobuf's field names
 ``get_model_config()`` and ``perf_analyzer`` read it. Protobuf's JSON mapping
 writes 64-bit integers as strings; Triton's HTTP server writes them as
 numbers, and so does this.
+
+Frontends layer, pure (no I/O); both frontends call it on the loop.
 """
 
 from __future__ import annotations

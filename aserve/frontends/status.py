@@ -3,6 +3,8 @@
 Each :class:`~aserve.errors.ErrorCode` maps to an HTTP status and a gRPC
 status code here and nowhere else, so the same failure reads the same over
 REST and gRPC. The derived per-frontend dicts are what the hot paths index.
+
+Frontends layer, pure tables.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Final, NamedTuple
 import grpc
 
 from aserve.errors import ErrorCode
+from aserve.metrics import OK
 
 
 class WireStatus(NamedTuple):
@@ -35,3 +38,19 @@ assert set(STATUS) == set(ErrorCode), "every error code needs a wire status"
 
 HTTP_STATUS: Final[dict[ErrorCode, int]] = {code: s.http for code, s in STATUS.items()}
 GRPC_STATUS: Final[dict[ErrorCode, grpc.StatusCode]] = {code: s.grpc for code, s in STATUS.items()}
+
+# HTTP status -> the request counters' status label (the error code's value; "ok" for 200).
+STATUS_LABELS: Final[dict[int, str]] = {
+    200: OK,
+    **{s.http: code.value for code, s in STATUS.items()},
+}
+
+
+def status_label(http_status: int) -> str:
+    """The counters' status label of an HTTP answer that :data:`STATUS_LABELS` lacks."""
+    label = STATUS_LABELS.get(http_status)
+    if label is not None:
+        return label
+    if http_status < 400:
+        return OK
+    return (ErrorCode.INTERNAL if http_status >= 500 else ErrorCode.INVALID_ARGUMENT).value

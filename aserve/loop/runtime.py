@@ -21,10 +21,11 @@ import signal
 from pathlib import Path
 
 from aserve.config import ServerConfig
+from aserve.context import FrontendContext
 from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit, cuda_indices, gpu_present
 from aserve.frontends.auth import ApiKeys, load_api_keys
-from aserve.frontends.grpc import GrpcFrontend
-from aserve.frontends.http import CUT_OFF_S, HttpFrontend
+from aserve.frontends.grpc.server import GrpcFrontend
+from aserve.frontends.http.app import CUT_OFF_S, HttpFrontend
 from aserve.loop.fd_limit import raise_open_file_limit
 from aserve.loop.generation import GenerationRuntime
 from aserve.loop.limits import Admission
@@ -65,8 +66,12 @@ class Server:
         self.reloader = Reloader(self, source)
         self.metrics = Metrics(self)  # before the frontends, which count requests in it
         self.admission = Admission(config.limits.max_concurrency, self.metrics.requests.rejected)
-        self.http = HttpFrontend(self)
-        self.grpc = GrpcFrontend(self) if config.grpc is not None else None
+        frontend = FrontendContext(
+            config, base_dir, self.registry, self.admission, self.metrics, self.reloader,
+            self.api_keys, self.not_ready_reason,
+        )  # fmt: skip
+        self.http = HttpFrontend(frontend)
+        self.grpc = GrpcFrontend(frontend) if config.grpc is not None else None
         self._stop_requested: asyncio.Event | None = None
         self._cache_releaser: asyncio.Task[None] | None = None
         self._listening = False  # both frontends' sockets are bound
@@ -184,7 +189,7 @@ class Server:
            before it stops accepting.
         3. The listeners close (gRPC sends GOAWAY); HTTP answers say
            ``Connection: close`` and idle connections close when no client can
-           be sending on them (see ``aserve/frontends/http_drain.py``).
+           be sending on them (see ``aserve/frontends/http/drain.py``).
         4. Requests in flight are answered, up to ``drain_timeout_s``. Past it,
            generation streams end with a final error event and what still runs
            is cancelled ``CUT_OFF_S`` later. Models stay loaded until after.

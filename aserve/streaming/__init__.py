@@ -1,6 +1,5 @@
 """Token streaming: bounded per-request channels filled on the loop from the
-engine's steps (channel.py), and the HTTP framings: server-sent events
-(sse.py) and newline-delimited JSON (ndjson.py), one chosen per request by
-its Accept header (http_stream.py).
-The gRPC stream adapters live with the gRPC frontend (frontends/grpc_generate.py).
+engine's steps (channel.py). The HTTP framings (server-sent events, NDJSON)
+live with the HTTP frontend (frontends/http/stream.py), the gRPC stream
+adapters with the gRPC frontend (frontends/grpc/generate.py).
 """

@@ -8,6 +8,8 @@ poll of the page costs) every ``sample_interval_s``, kept as its JSON bytes,
 at most ``history_s / sample_interval_s`` of them (900 s / 5 s = 180 by
 default; the config refuses more than 3600). The open page still polls every
 second and keeps its own finer points on top.
+
+Frontends layer, on the loop.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Token streaming over gRPC: ``aserve.v1.Generation/Generate`` and decoupled
 ``ModelStreamInfer`` responses for decoder models.
 
-Both run on the loop, in grpc.aio's handler tasks. Every check that can fail
+Frontends layer. Both run on the loop, in grpc.aio's handler tasks. Every check that can fail
 runs before the first message. When the client cancels (or its deadline
 passes), grpc.aio cancels the handler; leaving the ``async with`` of the
 generation then cancels the sequence, which leaves the batch at the next step.
@@ -13,9 +13,8 @@ handler from reading the token channel, and its sequence is paused (see
 
 from __future__ import annotations
 
-import logging
+import functools
 from collections.abc import AsyncIterator
-from time import perf_counter
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -26,10 +25,17 @@ from aserve._proto import grpc_service_pb2 as pb
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
 from aserve.config import GenerationConfig
-from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
+from aserve.errors import AserveError, InvalidArgument
+from aserve.frontends.common import (
+    EMPTY_FINAL,
+    FINAL,
+    admit_and_count,
+    as_error,
+    bool_parameter,
+    resolve_deadline,
+)
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
-from aserve.loop.deadline import request_timeout_s
 from aserve.loop.generation import (
     TEXT_OUTPUT,
     GenerationRuntime,
@@ -42,14 +48,10 @@ from aserve.metrics import OK
 from aserve.types.generation import BadSetting, Delta, SamplingParams, sampling_settings
 
 if TYPE_CHECKING:
-    from aserve.frontends.grpc import GrpcFrontend
-    from aserve.loop.runtime import Server
-
-log = logging.getLogger("aserve.grpc")
+    from aserve.context import FrontendContext
+    from aserve.frontends.grpc.calls import InFlight
 
 SERVICE_NAME = "aserve.v1.Generation"
-_FINAL = "triton_final_response"
-_EMPTY_FINAL = "triton_enable_empty_final_response"
 _FINISH = {
     None: apb.FINISH_REASON_UNSPECIFIED,
     "stop": apb.FINISH_REASON_STOP,
@@ -57,16 +59,9 @@ _FINISH = {
 }
 
 
-def _as_error(exc: Exception, what: str) -> AserveError:
-    if isinstance(exc, AserveError):
-        return exc
-    log.exception("%s failed unexpectedly", what)
-    return InternalError(f"internal error: {exc!r}")
-
-
 def _status(exc: Exception, what: str) -> tuple[str, grpc.StatusCode, str]:
     """How a call ends for ``exc``: its error code, gRPC status and message."""
-    error = _as_error(exc, what)
+    error = as_error(exc, what)
     return error.code.value, GRPC_STATUS[error.code], error.message
 
 
@@ -84,43 +79,38 @@ def _end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message:
 class GenerationServicer(apb_grpc.GenerationServicer):
     """``aserve.v1.Generation``: server-streaming generation."""
 
-    def __init__(self, server: Server, frontend: GrpcFrontend) -> None:
-        self._server = server
-        self._frontend = frontend
+    def __init__(self, ctx: FrontendContext, calls: InFlight) -> None:
+        self._ctx = ctx
+        self._calls = calls
+        self._max_timeout_s = ctx.config.limits.max_timeout_ms / 1e3
 
     async def Generate(
         self, request: apb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[apb.GenerateResponse]:
-        started = perf_counter()
         runtime: GenerationRuntime | None = None
-        status = ErrorCode.CANCELLED.value  # unless it ends otherwise
-        track_grpc(context, self._server.metrics.requests.access_log)
+        track_grpc(context, self._ctx.metrics.requests.access_log)
+        gate = functools.partial(self._calls.admit, context)
         try:
-            try:
-                self._frontend.check_capacity()
-            except AserveError as exc:
-                status = exc.code.value
-                _end_call(context, GRPC_STATUS[exc.code], exc.message)
-                return
-            self._frontend.serving(context)
-            with self._server.admission:
+            with admit_and_count(self._ctx, "grpc", lambda: runtime, gate) as call:
                 try:
                     runtime = generation_runtime(
-                        self._server.registry, request.model_name, request.model_version
+                        self._ctx.registry, request.model_name, request.model_version
                     )
                     prompt, messages = _prompt(request, runtime.generation)
                     seq = await runtime.prepare(
                         _sampling(request.sampling), prompt, messages, request.id or None
                     )
                     own = request.timeout_ms / 1e3 if request.timeout_ms else None  # 0: unset
-                    timeout = request_timeout_s(
-                        (own, context.time_remaining()),
+                    timeout = resolve_deadline(
+                        None,
+                        own,
+                        context.time_remaining(),
                         runtime.default_timeout_s,
-                        self._server.config.limits.max_timeout_ms / 1e3,
+                        self._max_timeout_s,
                     )
                     req = runtime.generate(seq, timeout, request.id or None)
                 except Exception as exc:  # CancelledError is not an Exception: it propagates
-                    status, code, message = _status(exc, "Generate")
+                    call.status, code, message = _status(exc, "Generate")
                     _end_call(context, code, message)
                     return
                 async with req:
@@ -128,15 +118,11 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                         async for delta in req:
                             yield _response(request.id, delta)
                     except Exception as exc:
-                        status, code, message = _status(exc, "Generate")
+                        call.status, code, message = _status(exc, "Generate")
                         _end_call(context, code, message)
                         return
-                status = OK
-        except AserveError as exc:  # refused by the admission (limits.max_concurrency)
-            status = exc.code.value
+        except AserveError as exc:  # refused: limits.max_connections or max_concurrency
             _end_call(context, GRPC_STATUS[exc.code], exc.message)
-        finally:
-            self._server.metrics.requests.record(runtime, "grpc", status, started)
 
 
 def _prompt(
@@ -227,15 +213,15 @@ async def answer_decoupled(
         client_id = request.id or None
         prompt = text_input(decoded.inputs, runtime.generation.prompt_bytes_limit)
         seq = await runtime.prepare(params, prompt, client_id=client_id)
-        timeout = request_timeout_s(
-            (decoded.timeout_s, call_remaining), runtime.default_timeout_s, max_timeout_s
+        timeout = resolve_deadline(
+            None, decoded.timeout_s, call_remaining, runtime.default_timeout_s, max_timeout_s
         )
         req = runtime.generate(seq, timeout, client_id)
     except Exception as exc:
-        error = _as_error(exc, "ModelStreamInfer")
+        error = as_error(exc, "ModelStreamInfer", request.id)
         out.send_final([_failed(request, error)])
         return error.code.value
-    empty_final = _flag(request, _EMPTY_FINAL)
+    empty_final = bool_parameter(request, EMPTY_FINAL)
     async with req:
         try:
             async for delta in req:
@@ -246,7 +232,7 @@ async def answer_decoupled(
                     {TEXT_OUTPUT: text_tensor(delta.text)}, runtime.output_specs,
                 )  # fmt: skip
                 final = delta.finished and not empty_final
-                response.parameters[_FINAL].bool_param = final
+                response.parameters[FINAL].bool_param = final
                 if delta.finished:
                     p = response.parameters
                     p["finish_reason"].string_param = delta.finish_reason or ""
@@ -258,13 +244,13 @@ async def answer_decoupled(
                     return OK
                 await out.send_partial([message])
         except Exception as exc:
-            error = _as_error(exc, "ModelStreamInfer")
+            error = as_error(exc, "ModelStreamInfer", request.id)
             out.send_final([_failed(request, error)])
             return error.code.value
     last = pb.ModelInferResponse(
         model_name=runtime.name, model_version=runtime.version, id=request.id
     )
-    last.parameters[_FINAL].bool_param = True
+    last.parameters[FINAL].bool_param = True
     out.send_final([pb.ModelStreamInferResponse(infer_response=last)])
     return OK
 
@@ -273,14 +259,5 @@ def _failed(request: pb.ModelInferRequest, error: AserveError) -> pb.ModelStream
     failed = pb.ModelInferResponse(
         model_name=request.model_name, model_version=request.model_version, id=request.id
     )
-    failed.parameters[_FINAL].bool_param = True
+    failed.parameters[FINAL].bool_param = True
     return pb.ModelStreamInferResponse(error_message=error.message, infer_response=failed)
-
-
-def _flag(request: pb.ModelInferRequest, key: str) -> bool:
-    param = request.parameters.get(key)
-    return (
-        param is not None
-        and param.WhichOneof("parameter_choice") == "bool_param"
-        and param.bool_param
-    )

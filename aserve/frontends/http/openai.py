@@ -13,7 +13,7 @@ usage, then ``data: [DONE]``, and the response ends. A failure after the
 stream started is sent as ``data: {"error": {...}}`` and the stream ends.
 With ``Accept: application/x-ndjson`` the same chunks come as one JSON
 object per line, without ``[DONE]``, and a failure as a last line
-``{"error": {...}}`` (:mod:`aserve.streaming.http_stream` chooses).
+``{"error": {...}}`` (:mod:`aserve.frontends.http.stream` chooses).
 A client that goes away (or whose request is cancelled) cancels its
 sequence, which leaves the batch at the next step.
 
@@ -22,7 +22,12 @@ request; ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
 ``top_p``, ``seed``, ``stop`` (at most 4), and vLLM's extensions ``top_k``
 and ``ignore_eos``. Penalties, ``logit_bias`` and ``user`` are accepted and
 ignored; ``logprobs``, ``echo``, ``suffix``, ``best_of`` > 1, tools and
-structured ``response_format`` are refused with 400.
+structured ``response_format`` are refused with 400. aserve's own
+``timeout_ms`` field bounds the request as the ``aserve-timeout-ms`` header
+does (the earlier of the two applies; see
+:func:`aserve.frontends.common.resolve_deadline`).
+
+Frontends layer; handlers run on the loop.
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
+from aserve.codecs.timeouts import parameter_timeout_s
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
-from aserve.frontends.generate import Route, read_json_object, timeout_for, usage
-from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
+from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
+from aserve.frontends.http.kit import RUNTIME_KEY, STATUS_KEY, RouteKit, json_response
+from aserve.frontends.http.stream import DONE, json_stream
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.generation import (
     GenerationRuntime,
@@ -45,8 +52,6 @@ from aserve.loop.generation import (
     generation_runtime,
 )
 from aserve.loop.prompt_size import check_prompt_size
-from aserve.streaming.http_stream import json_stream
-from aserve.streaming.sse import DONE
 from aserve.types.generation import (
     SAMPLING_KEYS,
     BadSetting,
@@ -56,8 +61,8 @@ from aserve.types.generation import (
 )
 
 if TYPE_CHECKING:
+    from aserve.context import FrontendContext
     from aserve.loop.continuous import GenerationRequest
-    from aserve.loop.runtime import Server
 
 _TYPES = {
     ErrorCode.INVALID_ARGUMENT: "invalid_request_error",
@@ -76,8 +81,9 @@ _MAX_STOP = 4
 # Engine messages start with the field they are about: "max_tokens: ...", "messages[0]: ...".
 _FIELD_PREFIX = re.compile(r"^([a-z_]+)(?:\[\d+\])?[: ]")
 _FIELDS = frozenset(
-    {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
-)
+    {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+     "timeout_ms"}
+)  # fmt: skip
 
 
 class FieldError(InvalidArgument):
@@ -119,34 +125,30 @@ def error_response(error: AserveError) -> web.Response:
     )
 
 
-def _json(doc: Any) -> web.Response:
-    return web.Response(body=orjson.dumps(doc), content_type="application/json")
+def add_openai_routes(kit: RouteKit, ctx: FrontendContext) -> None:
+    """Register the OpenAI-compatible API."""
+    OpenAIApi(kit, ctx).add_routes(kit)
 
 
 class OpenAIApi:
-    def __init__(self, server: Server) -> None:
-        self._server = server
+    def __init__(self, kit: RouteKit, ctx: FrontendContext) -> None:
+        self._ctx = ctx
+        self._read_json = kit.read_json
+        self._max_timeout_s = ctx.config.limits.max_timeout_ms / 1e3
 
-    def add_routes(self, route: Route) -> None:
-        route("GET", "/v1/models", self.list_models)
-        route("GET", "/v1/models/{model}", self.get_model)
-        server = self._server
-        route(
-            "POST",
-            "/v1/completions",
-            inference_route(server, "openai", self.completions, error_response),
-        )
-        route(
-            "POST",
-            "/v1/chat/completions",
-            inference_route(server, "openai", self.chat_completions, error_response),
-        )
+    def add_routes(self, kit: RouteKit) -> None:
+        kit.route("GET", "/v1/models", self.list_models)
+        kit.route("GET", "/v1/models/{model}", self.get_model)
+        completions = kit.counted("openai", self.completions, error_response)
+        kit.route("POST", "/v1/completions", completions)
+        chat = kit.counted("openai", self.chat_completions, error_response)
+        kit.route("POST", "/v1/chat/completions", chat)
 
     # --- models -----------------------------------------------------------------
 
     def _models(self) -> dict[str, GenerationRuntime]:
         latest: dict[str, GenerationRuntime] = {}
-        for rt in self._server.registry:
+        for rt in self._ctx.registry:
             if isinstance(rt, GenerationRuntime):
                 have = latest.get(rt.name)
                 if have is None or int(rt.version) > int(have.version):
@@ -165,14 +167,14 @@ class OpenAIApi:
 
     async def list_models(self, request: web.Request) -> web.Response:
         models = sorted(self._models().items())
-        return _json({"object": "list", "data": [self._model_doc(rt) for _, rt in models]})
+        return json_response({"object": "list", "data": [self._model_doc(rt) for _, rt in models]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         rt = self._models().get(name)
         if rt is None:
             return error_response(NotFound(f"The model '{name}' does not exist"))
-        return _json(self._model_doc(rt))
+        return json_response(self._model_doc(rt))
 
     # --- completions ------------------------------------------------------------
 
@@ -184,10 +186,11 @@ class OpenAIApi:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = await read_json_object(request, generation_body_limit(self._server.registry))
+            registry = self._ctx.registry
+            body = await self._read_json(request, generation_body_limit(registry))
             model = _model(body)
             try:
-                runtime = generation_runtime(self._server.registry, model)
+                runtime = generation_runtime(registry, model)
             except NotFound:
                 raise NotFound(f"The model '{model}' does not exist") from None
             except InvalidArgument as exc:
@@ -202,7 +205,14 @@ class OpenAIApi:
             seq = await runtime.prepare(
                 parsed.params, prompt=parsed.prompt, messages=parsed.messages
             )
-            req = runtime.generate(seq, timeout_for(request, runtime))
+            timeout = resolve_deadline(
+                request.headers.get(TIMEOUT_HEADER),
+                parsed.timeout_s,
+                None,
+                runtime.default_timeout_s,
+                self._max_timeout_s,
+            )
+            req = runtime.generate(seq, timeout)
         except AserveError as exc:
             return error_response(exc)
         prefix = "chatcmpl-" if chat else "cmpl-"
@@ -233,7 +243,7 @@ async def _whole(req: GenerationRequest, head: dict[str, Any], chat: bool) -> we
         }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-    return _json({**head, "choices": [choice], "usage": usage(last)})
+    return json_response({**head, "choices": [choice], "usage": usage(last)})
 
 
 async def _stream(
@@ -287,7 +297,7 @@ async def _stream(
 
 
 class _Parsed:
-    __slots__ = ("include_usage", "messages", "params", "prompt", "stream")
+    __slots__ = ("include_usage", "messages", "params", "prompt", "stream", "timeout_s")
 
     def __init__(self) -> None:
         self.prompt: str | list[int] | None = None
@@ -295,6 +305,7 @@ class _Parsed:
         self.params = SamplingParams()
         self.stream = False
         self.include_usage = False
+        self.timeout_s: float | None = None  # aserve's timeout_ms field, if given
 
 
 def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
@@ -343,6 +354,11 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
         if (v := body.get(name)) is not None and (not _is_number(v) or not -2 <= v <= 2):
             raise FieldError(name, f"must be a number from -2 to 2 (got {v!r})")
     out.params = SamplingParams(**kw)
+    if body.get("timeout_ms") is not None:
+        try:
+            out.timeout_s = parameter_timeout_s({"timeout_ms": body["timeout_ms"]})
+        except InvalidArgument as exc:
+            raise FieldError("timeout_ms", exc.message) from None
     return out
 
 

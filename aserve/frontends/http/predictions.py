@@ -1,4 +1,4 @@
-"""``POST /predictions/{model}[/{version}]``: a raw body for a handler model (on the loop).
+"""``POST /predictions/{model}[/{version}]``: a raw body for a handler model (frontends layer, on the loop).
 
 TorchServe's route: the body goes to the python handler as it came
 (``request.body`` bytes and ``request.content_type``; see
@@ -19,7 +19,11 @@ the network), by aiohttp's reader on a thread.
 
 Errors answer ``{"error": "..."}`` with the status of the README's table: a
 model that is not a python handler with ``preprocess_raw`` is a 400 naming
-the route it takes instead.
+the route it takes instead. The request's timeout is the
+``aserve-timeout-ms`` header's, else the model's default
+(:func:`aserve.frontends.common.resolve_deadline`).
+
+Frontends layer: the handler runs on the loop, the multipart parser on a thread.
 """
 
 from __future__ import annotations
@@ -40,15 +44,13 @@ from aiohttp.streams import StreamReader
 
 from aserve.engines.python_handler import Part
 from aserve.errors import AserveError, InvalidArgument, TooLarge
-from aserve.frontends.http import MAX_BODY_KEY, MAX_TIMEOUT_KEY, error_response, read_body
-from aserve.frontends.http_metrics import RUNTIME_KEY, inference_route
-from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
+from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline
+from aserve.frontends.http.kit import RUNTIME_KEY, RouteKit, error_response
 from aserve.loop.handler_model import HandlerRuntime
 
 if TYPE_CHECKING:
-    from aserve.frontends.generate import Route
+    from aserve.context import FrontendContext
     from aserve.loop.model import ModelRuntime
-    from aserve.loop.runtime import Server
 
 MAX_PARTS = 128  # parts of one multipart/form-data body
 MAX_PREAMBLE_BYTES = 1024  # before the first boundary (RFC 2046 allows some; nobody sends it)
@@ -59,19 +61,22 @@ _FEED_BYTES = 16 * 1024
 _DEFAULT_TYPE = "application/octet-stream"
 
 
-def add_prediction_routes(route: Route, server: Server) -> None:
-    predictions = Predictions(server)
+def add_prediction_routes(kit: RouteKit, ctx: FrontendContext) -> None:
+    predictions = Predictions(kit, ctx)
     for path in ("/predictions/{model}", "/predictions/{model}/{version}"):
-        route("POST", path, inference_route(server, "http", predictions.predict, error_response))
+        kit.route("POST", path, kit.counted("http", predictions.predict, error_response))
 
 
 class Predictions:
-    def __init__(self, server: Server) -> None:
-        self._server = server
+    def __init__(self, kit: RouteKit, ctx: FrontendContext) -> None:
+        self._ctx = ctx
+        self._read_body = kit.read_body
+        self._max_body = ctx.config.limits.max_request_bytes
+        self._max_timeout_s = ctx.config.limits.max_timeout_ms / 1e3
 
     def _runtime(self, request: web.Request) -> HandlerRuntime:
         info = request.match_info
-        runtime: ModelRuntime = self._server.registry.get(info["model"], info.get("version"))
+        runtime: ModelRuntime = self._ctx.registry.get(info["model"], info.get("version"))
         if not isinstance(runtime, HandlerRuntime):
             raise InvalidArgument(
                 f"model '{runtime.name}' is served by the {runtime.config.engine} engine; "
@@ -93,14 +98,14 @@ class Predictions:
         # The model first: an unknown one, or one that takes no raw body, is refused
         # without reading the body.
         self._runtime(request)
-        limit = request.app[MAX_BODY_KEY]
+        limit = self._max_body
         declared = request.content_length
         if declared is not None and declared > limit:
             raise TooLarge(
                 f"request body is {declared} bytes, over the limit max_request_bytes {limit}"
             )
         content_type = request.headers.get(hdrs.CONTENT_TYPE, _DEFAULT_TYPE)
-        raw = await read_body(request)
+        raw = await self._read_body(request)
         body: bytes | list[Part] = raw
         if request.content_type == "multipart/form-data":
             body = await read_parts(content_type, raw)
@@ -108,10 +113,12 @@ class Predictions:
         # runtime a reload takes out of routing is drained once it is idle.
         runtime = self._runtime(request)
         request[RUNTIME_KEY] = runtime
-        timeout = request_timeout_s(
-            (header_timeout_s(request.headers.get(TIMEOUT_HEADER)), None),
+        timeout = resolve_deadline(
+            request.headers.get(TIMEOUT_HEADER),
+            None,
+            None,
             runtime.default_timeout_s,
-            request.app[MAX_TIMEOUT_KEY],
+            self._max_timeout_s,
         )
         answer, answer_type = await runtime.infer_raw(
             body, content_type, timeout, None, dict(request.query)

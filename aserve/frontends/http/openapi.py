@@ -3,19 +3,21 @@
 Written by hand, beside the routes; ``tests/test_auth_tls_openapi.py``
 checks that every route the aiohttp app serves is described here and that
 nothing else is. The document is built once and served as bytes.
+
+Frontends layer: built once when the routes are added, served from the loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from aserve import __version__
 
-Route = Callable[[str, str, Any], None]
+if TYPE_CHECKING:
+    from aserve.frontends.http.kit import RouteKit
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _JSON = "application/json"
@@ -298,10 +300,10 @@ def build_document() -> dict[str, Any]:
     }
 
 
-def add_openapi_route(route: Route) -> None:
+def add_openapi_route(kit: RouteKit) -> None:
     body = orjson.dumps(build_document())
 
     async def openapi(request: web.Request) -> web.Response:
         return web.Response(body=body, content_type=_JSON)
 
-    route("GET", "/openapi.json", openapi)
+    kit.route("GET", "/openapi.json", openapi)

@@ -1,15 +1,21 @@
-"""The aiohttp frontend: KServe V2 REST with the binary tensor extension.
+"""The aiohttp frontend: its application, listeners and drain, and KServe V2 REST
+with the binary tensor extension (frontends layer; handlers run on the loop).
 
-Handlers run on the loop. The infer handler decodes and validates the body,
-hands the request to the model's runtime (``ModelRuntime.infer``) and awaits its
-future; when the client disconnects, aiohttp cancels the handler and the
-request leaves the queue. Every error answers ``{"error": "..."}`` with the
-status from :data:`HTTP_STATUS`.
+The infer handler decodes and validates the body, hands the request to the
+model's runtime (``ModelRuntime.infer``) and awaits its future; when the
+client disconnects, aiohttp cancels the handler and the request leaves the
+queue. Every error answers ``{"error": "..."}`` with the status from
+:data:`HTTP_STATUS`. The other route modules (generate, openai, predictions,
+admin, dashboard, metrics, openapi) are registered here and are handed what
+they need, a :class:`~aserve.frontends.http.kit.RouteKit` of this module's
+functions and the :class:`~aserve.context.FrontendContext`: they never import
+this module.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import logging
 import zlib
@@ -21,25 +27,41 @@ from aiohttp import web
 from aserve import __version__
 from aserve.codecs.v2 import decode_request, encode_response
 from aserve.codecs.validate import same_io
-from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge, Unavailable
-from aserve.frontends.auth import http_middleware, server_ssl_context
-from aserve.frontends.http_drain import IdleCloser, take_queued
-from aserve.frontends.http_limits import ConnectionGuard, accept_error_handler, pending_bound
-from aserve.frontends.http_metrics import RUNTIME_KEY, add_metrics_route, inference_route
+from aserve.errors import AserveError, InvalidArgument, TooLarge, Unavailable
+from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, resolve_deadline
+from aserve.frontends.http.admin import add_admin_routes
+from aserve.frontends.http.auth import http_middleware, server_ssl_context
+from aserve.frontends.http.dashboard import add_dashboard_routes
+from aserve.frontends.http.drain import IdleCloser, take_queued
+from aserve.frontends.http.generate import add_generate_routes
+from aserve.frontends.http.kit import (
+    JSON,
+    RUNTIME_KEY,
+    STATUS_KEY,
+    Handler,
+    Refuse,
+    RouteKit,
+    error_response,
+    json_response,
+)
+from aserve.frontends.http.limits import ConnectionGuard, accept_error_handler, pending_bound
+from aserve.frontends.http.metrics import add_metrics_route
+from aserve.frontends.http.openai import add_openai_routes
+from aserve.frontends.http.openapi import add_openapi_route
+from aserve.frontends.http.predictions import add_prediction_routes
 from aserve.frontends.model_config import triton_config_json
-from aserve.frontends.openapi import add_openapi_route
-from aserve.frontends.status import HTTP_STATUS
-from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
+from aserve.frontends.status import STATUS_LABELS, status_label
+from aserve.logs import CURRENT, REQUEST_ID_HEADER, REQUEST_ID_KEY, RequestInfo, request_id
 from aserve.loop.fd_limit import fds_in_use, open_file_limit
+from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES
 
 if TYPE_CHECKING:
+    from aserve.context import FrontendContext
     from aserve.loop.model import ModelRuntime
-    from aserve.loop.runtime import Server
 
 log = logging.getLogger("aserve.http")
 
 IHCL = "Inference-Header-Content-Length"
-_JSON = "application/json"
 _COMPRESS_OVER_BYTES = 64 * 1024  # larger bodies are compressed off the loop
 # Request bodies aserve inflates itself (see read_body); the zlib window bits of each.
 _INFLATE_WBITS = {
@@ -55,41 +77,23 @@ _DRAIN_POLL_S = 0.05  # how often a drain looks for idle connections to close
 # generation stream its final error event) before it is cancelled.
 CUT_OFF_S = 2.0
 MAX_BODY_KEY = web.AppKey("aserve_max_request_bytes", int)
-MAX_TIMEOUT_KEY = web.AppKey("aserve_max_timeout_s", float)  # limits.max_timeout_ms, in s
 
-
-def error_response(error: AserveError) -> web.Response:
-    status = HTTP_STATUS[error.code]
-    headers = {"Retry-After": "1"} if error.code is ErrorCode.QUEUE_FULL else None
-    return web.Response(
-        status=status,
-        body=orjson.dumps({"error": error.message}),
-        content_type=_JSON,
-        headers=headers,
-    )
-
-
-def _json(doc: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(doc), content_type=_JSON)
-
-
-json_response = _json  # for the route modules beside this one
+_json = json_response
 
 
 class HttpFrontend:
-    def __init__(self, server: Server) -> None:
-        self._server = server
-        cfg = server.config
+    def __init__(self, ctx: FrontendContext) -> None:
+        self._ctx = ctx
+        cfg = ctx.config
         self._max_body = cfg.limits.max_request_bytes
         self._max_elements = cfg.limits.max_tensor_elements
         self._max_timeout_s = cfg.limits.max_timeout_ms / 1e3
         middlewares = []
-        if server.api_keys is not None:
+        if ctx.api_keys is not None:
             assert cfg.auth is not None
-            middlewares.append(http_middleware(server.api_keys, cfg.auth.open_paths))
+            middlewares.append(http_middleware(ctx.api_keys, cfg.auth.open_paths))
         self._app = web.Application(client_max_size=self._max_body, middlewares=middlewares)
         self._app[MAX_BODY_KEY] = self._max_body
-        self._app[MAX_TIMEOUT_KEY] = self._max_timeout_s
         self._app.on_response_prepare.append(self._on_response_prepare)
         self._add_routes()
         self._runner = web.AppRunner(
@@ -108,21 +112,20 @@ class HttpFrontend:
         self._ssl_context: Any = None
         self._closing = False  # the listeners are closed: answers say Connection: close
         self.connections: ConnectionGuard | None = None
-        self.inflight = 0
         self.addresses: list[tuple[str, int]] = []
 
     # --- lifecycle ------------------------------------------------------------
 
     async def start(self) -> None:
-        cfg = self._server.config.http
+        cfg = self._ctx.config.http
         await self._runner.setup()
-        limits = self._server.config.limits
+        limits = self._ctx.config.limits
         fd_limit, in_use = open_file_limit(), fds_in_use()
         self.connections = ConnectionGuard(
             header_timeout_s=cfg.header_timeout_s,
             max_pending=pending_bound(limits.max_pending_connections, fd_limit, in_use),
             max_serving=limits.max_connections,
-            rejected=self._server.metrics.requests.rejected,
+            rejected=self._ctx.metrics.requests.rejected,
             fd_limit=fd_limit,
             fds_in_use=in_use,
         )
@@ -130,8 +133,8 @@ class HttpFrontend:
         self.connections.install(self._runner.server)
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(accept_error_handler(loop.get_exception_handler()))
-        tls = self._server.config.tls
-        ssl_context = None if tls is None else server_ssl_context(tls, self._server.base_dir)
+        tls = self._ctx.config.tls
+        ssl_context = None if tls is None else server_ssl_context(tls, self._ctx.base_dir)
         self._ssl_context = ssl_context
         self._site = web.TCPSite(
             self._runner, cfg.host, cfg.port, reuse_address=True, ssl_context=ssl_context
@@ -202,8 +205,8 @@ class HttpFrontend:
     def _add_routes(self) -> None:
         r = self._app.router
         model = "/v2/models/{model}"
-        server = self._server
         version = "/v2/models/{model}/versions/{version}"
+        ctx = self._ctx
 
         def route(method: str, path: str, handler: Any) -> None:
             resource = r.add_resource(path)
@@ -220,26 +223,50 @@ class HttpFrontend:
             route("GET", base + "/config", self._model_config)
             route("GET", base + "/ready", self._model_ready)
             route("GET", base + "/stats", self._stats)
-            route(
-                "POST",
-                base + "/infer",
-                inference_route(server, "http", self._infer, error_response),
-            )
-        from aserve.frontends.generate import add_generation_routes  # it imports this module
-
-        add_generation_routes(route, self._server)  # OpenAI API, Triton generate
-        from aserve.frontends.http_admin import add_admin_routes  # it imports this module
-
-        add_admin_routes(route, self._server)
-        from aserve.frontends.predictions import add_prediction_routes  # it imports this module
-
-        add_prediction_routes(route, self._server)
-        add_metrics_route(route, self._server)
-        add_openapi_route(route)
-        from aserve.frontends.http_dashboard import add_dashboard_routes  # it imports this module
-
-        add_dashboard_routes(route, self._server, self._app)
+            route("POST", base + "/infer", self.counted("http", self._infer, error_response))
+        kit = RouteKit(route, self.counted, read_body, read_json_object, self._app)
+        add_generate_routes(kit, ctx)  # Triton's generate extension
+        add_openai_routes(kit, ctx)
+        add_admin_routes(kit, ctx)
+        add_prediction_routes(kit, ctx)
+        add_metrics_route(kit, ctx)
+        add_openapi_route(kit)
+        add_dashboard_routes(kit, ctx)
         r.add_route("*", "/{tail:.*}", self._not_found)
+
+    def counted(self, protocol: str, handler: Handler, refuse: Refuse) -> Handler:
+        """``handler`` as an inference route: admitted under ``limits.max_concurrency``
+        (a refusal is answered by ``refuse``, the route's own error format) and
+        counted under ``protocol`` once answered (:class:`admit_and_count`)."""
+        ctx = self._ctx
+        access_log = ctx.metrics.requests.access_log
+
+        async def counting(request: web.Request) -> web.StreamResponse:
+            rid = request[REQUEST_ID_KEY] = request_id(request.headers.get(REQUEST_ID_HEADER))
+            if access_log:  # nothing else reads it: no work per request without the log
+                # This handler runs in its own task: the variable is this request's alone.
+                CURRENT.set(RequestInfo(rid))
+            try:
+                # partial(request.get, ...) is C: the runtime the handler stored, if any.
+                with admit_and_count(
+                    ctx, protocol, functools.partial(request.get, RUNTIME_KEY)
+                ) as call:
+                    response = await handler(request)
+                    call.status = (
+                        request.get(STATUS_KEY)
+                        or STATUS_LABELS.get(response.status)
+                        or status_label(response.status)
+                    )
+            except AserveError as exc:  # refused by the admission
+                response = refuse(exc)
+                response.headers[REQUEST_ID_HEADER] = rid
+                return response
+            if not response.prepared:  # a stream sent its headers, the id among them, already
+                response.headers[REQUEST_ID_HEADER] = rid
+            return response
+
+        counting.__name__ = getattr(handler, "__name__", "handler")
+        return counting
 
     async def _method_not_allowed(self, request: web.Request) -> web.Response:
         return _json({"error": f"method {request.method} is not allowed on {request.path}"}, 405)
@@ -249,7 +276,7 @@ class HttpFrontend:
 
     def _runtime(self, request: web.Request) -> ModelRuntime:
         info = request.match_info
-        return self._server.registry.get(info["model"], info.get("version"))
+        return self._ctx.registry.get(info["model"], info.get("version"))
 
     # --- health and metadata --------------------------------------------------
 
@@ -257,7 +284,7 @@ class HttpFrontend:
         return _json({"live": True})
 
     async def _ready(self, request: web.Request) -> web.Response:
-        reason = self._server.not_ready_reason()
+        reason = self._ctx.not_ready_reason()
         if reason:
             return _json({"ready": False, "error": reason}, 503)
         return _json({"ready": True})
@@ -304,7 +331,7 @@ class HttpFrontend:
             if "model" in request.match_info:
                 runtimes = [self._runtime(request)]
             else:
-                runtimes = sorted(self._server.registry, key=lambda rt: (rt.name, int(rt.version)))
+                runtimes = sorted(self._ctx.registry, key=lambda rt: (rt.name, int(rt.version)))
         except AserveError as exc:
             return error_response(exc)
         return _json({"model_stats": [rt.statistics() for rt in runtimes]})
@@ -312,13 +339,10 @@ class HttpFrontend:
     # --- inference ------------------------------------------------------------
 
     async def _infer(self, request: web.Request) -> web.Response:
-        self.inflight += 1
         try:
             return await self._infer_checked(request)
         except AserveError as exc:
             return error_response(exc)
-        finally:
-            self.inflight -= 1
 
     async def _infer_checked(self, request: web.Request) -> web.Response:
         length = request.content_length
@@ -349,8 +373,10 @@ class HttpFrontend:
             await asyncio.to_thread(decoded.decode_pending)
             runtime = same_io(runtime, self._runtime(request))
             request[RUNTIME_KEY] = runtime
-        timeout = request_timeout_s(
-            (header_timeout_s(headers.get(TIMEOUT_HEADER)), decoded.timeout_s),
+        timeout = resolve_deadline(
+            headers.get(TIMEOUT_HEADER),
+            decoded.timeout_s,
+            None,
             runtime.default_timeout_s,
             self._max_timeout_s,
         )
@@ -370,7 +396,7 @@ class HttpFrontend:
             out_headers[IHCL] = str(json_length)
             content_type = "application/octet-stream"
         else:
-            content_type = _JSON
+            content_type = JSON
         encoding = _response_encoding(headers.get("Accept-Encoding"))
         if encoding is not None:
             payload = await _compress(payload, encoding)
@@ -404,6 +430,36 @@ async def read_body(request: web.Request) -> bytes:
     if len(raw) > _INFLATE_ON_LOOP_BYTES:
         return await asyncio.to_thread(_inflate, raw, encoding, limit)
     return _inflate(raw, encoding, limit)
+
+
+async def read_json_object(request: web.Request, limit_bytes: int | None = None) -> dict[str, Any]:
+    """The request body as a JSON object, or :class:`InvalidArgument` / :class:`TooLarge`.
+
+    A body over ``limit_bytes`` is refused before it is read (by its
+    Content-Length) or parsed: parsing runs on the loop. Without
+    ``limit_bytes``, ``limits.max_request_bytes`` bounds it.
+    """
+    declared = request.content_length
+    if limit_bytes is not None and declared is not None and declared > limit_bytes:
+        raise _body_too_large(declared, limit_bytes)
+    body = await read_body(request)
+    if limit_bytes is not None and len(body) > limit_bytes:
+        raise _body_too_large(len(body), limit_bytes)
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("request body must be a JSON object")
+    return doc
+
+
+def _body_too_large(size: int, limit: int) -> TooLarge:
+    return TooLarge(
+        f"request body: {size} bytes, over the limit of a generation request to this model "
+        f"({limit} bytes: {BODY_BYTES_PER_PROMPT_BYTE} x generation.max_prompt_bytes "
+        f"+ {BODY_SLACK_BYTES // 1024} KiB)"
+    )
 
 
 def _inflate(raw: bytes, encoding: str, limit: int) -> bytes:

@@ -1,4 +1,4 @@
-"""What an HTTP connection may hold, for the aiohttp frontend (on the loop).
+"""What an HTTP connection may hold, for the aiohttp frontend (frontends layer, on the loop).
 
 aiohttp accepts every connection and, left alone, keeps one that never sends
 a request for its whole keep-alive timeout. A socket costs an attacker
@@ -51,8 +51,9 @@ class ConnectionGuard:
     """Header timeout, the pending bound and ``max_connections`` on one aiohttp server.
 
     Call :meth:`install` after ``AppRunner.setup()`` and before the site
-    starts: connection handlers read ``server.request_handler`` when they are
-    created.
+    starts. A connection's first request goes through the guard (it moves the
+    connection from pending to serving); then the connection is handed back to
+    aiohttp's handler (``RequestHandler._request_handler``, read per request).
     """
 
     def __init__(
@@ -94,6 +95,10 @@ class ConnectionGuard:
 
         def made(handler: RequestHandler, transport: asyncio.Transport) -> None:
             connection_made(handler, transport)
+            # Only the connection's first request passes through first_request;
+            # it hands the connection back to aiohttp's own handler, so later
+            # requests on it gain no frame here.
+            handler._request_handler = first_request
             self._open += 1
             self._pending[handler] = loop.call_later(
                 self._header_timeout_s, self._header_timeout, handler
@@ -111,12 +116,12 @@ class ConnectionGuard:
             self._open -= 1
             connection_lost(handler, exc)
 
-        # Not a coroutine itself: the handler's own awaitable is passed on,
-        # so the request path gains no frame.
-        def request_handler(request: Any) -> Awaitable[web.StreamResponse]:
+        # Not a coroutine itself: the handler's own awaitable is passed on.
+        def first_request(request: Any) -> Awaitable[web.StreamResponse]:
             protocol = request.protocol
+            protocol._request_handler = handle  # aiohttp reads it for each request
             timer = self._pending.pop(protocol, None)
-            if timer is not None:  # the connection's first request
+            if timer is not None:
                 timer.cancel()
                 limit = self._max_serving
                 if limit is not None and len(self._serving) >= limit:
@@ -126,7 +131,6 @@ class ConnectionGuard:
 
         server.connection_made = made  # type: ignore[method-assign]
         server.connection_lost = lost  # type: ignore[method-assign]
-        server.request_handler = request_handler
 
     def _header_timeout(self, handler: RequestHandler) -> None:
         if handler in self._pending:

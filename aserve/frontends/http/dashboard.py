@@ -1,4 +1,4 @@
-"""``GET /``: the live dashboard, and ``GET /v2/dashboard/stats``, the JSON it polls (on the loop).
+"""``GET /``: the live dashboard, and ``GET /v2/dashboard/stats``, the JSON it polls (frontends layer, on the loop).
 
 The page is ``dashboard.html`` beside this module (package data): hand-written
 JS drawing SVG, no external assets, since the server may be offline. It is
@@ -10,7 +10,7 @@ server's monotonic clock; the page diffs its successive polls into rates
 (latency, from histogram bucket deltas, as Prometheus' ``histogram_quantile``
 does) and a latency CDF over the charts' window. One poll costs a walk over
 the models and their request counters (microseconds). ``?history=1`` adds
-the server's ring of past snapshots (:mod:`aserve.frontends.dashboard_history`),
+the server's ring of past snapshots (:mod:`aserve.frontends.http.dashboard_history`),
 which the page asks for once, so that it shows the last ``dashboard.history_s``
 seconds from the moment it opens. A python handler's custom metrics come
 summed for the charts (a counter's total, a histogram's buckets over every
@@ -27,7 +27,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -35,29 +34,25 @@ import orjson
 from aiohttp import web
 
 from aserve import __version__
-from aserve.frontends.dashboard_history import DashboardHistory
-from aserve.frontends.http import json_response
+from aserve.frontends.http.dashboard_history import DashboardHistory
+from aserve.frontends.http.kit import RouteKit, json_response
 from aserve.handler_metrics import MetricSet
 from aserve.metrics import OK
 from aserve.stats import LATENCY_BUCKETS_S
 
 if TYPE_CHECKING:
-    from aserve.loop.runtime import Server
-
-Route = Callable[[str, str, Any], None]
+    from aserve.context import FrontendContext
 
 PAGE_PATH = "/"
 STATS_PATH = "/v2/dashboard/stats"
 GAUGE_SERIES = 3  # a gauge's series the page draws (it has three colours)
 
 
-def add_dashboard_routes(route: Route, server: Server, app: web.Application) -> None:
-    page = resources.files("aserve.frontends").joinpath("dashboard.html").read_bytes()
-    cfg = server.config.dashboard
-    history = DashboardHistory(
-        lambda: dashboard_stats(server), cfg.history_s, cfg.sample_interval_s
-    )
-    app.cleanup_ctx.append(history.lifetime)
+def add_dashboard_routes(kit: RouteKit, ctx: FrontendContext) -> None:
+    page = resources.files("aserve.frontends.http").joinpath("dashboard.html").read_bytes()
+    cfg = ctx.config.dashboard
+    history = DashboardHistory(lambda: dashboard_stats(ctx), cfg.history_s, cfg.sample_interval_s)
+    kit.app.cleanup_ctx.append(history.lifetime)
 
     async def dashboard(request: web.Request) -> web.Response:
         return web.Response(
@@ -73,29 +68,29 @@ def add_dashboard_routes(route: Route, server: Server, app: web.Application) -> 
         )
 
     async def stats(request: web.Request) -> web.Response:
-        doc = dashboard_stats(server)
+        doc = dashboard_stats(ctx)
         if request.query.get("history") not in ("1", "true"):
             return json_response(doc)
         # The ring is JSON already: spliced in, not decoded and encoded again.
         body = orjson.dumps(doc)[:-1] + b',"history":' + history.json() + b"}"
         return web.Response(body=body, content_type="application/json")
 
-    route("GET", PAGE_PATH, dashboard)
-    route("GET", STATS_PATH, stats)
+    kit.route("GET", PAGE_PATH, dashboard)
+    kit.route("GET", STATS_PATH, stats)
 
 
-def dashboard_stats(server: Server) -> dict[str, Any]:
+def dashboard_stats(ctx: FrontendContext) -> dict[str, Any]:
     """One snapshot: cumulative counters and gauges per model, the process and its GPUs."""
     # Answered requests per model version, all protocols: (all, not ok).
     answered: dict[tuple[str, str], list[int]] = {}
-    for (model, version, _protocol, status), n in server.metrics.requests.counts.items():
+    for (model, version, _protocol, status), n in ctx.metrics.requests.counts.items():
         entry = answered.setdefault((model, version), [0, 0])
         entry[0] += n
         if status != OK:
             entry[1] += n
-    durations = server.metrics.requests.durations
+    durations = ctx.metrics.requests.durations
     models = []
-    for rt in sorted(server.registry, key=lambda rt: (rt.name, int(rt.version))):
+    for rt in sorted(ctx.registry, key=lambda rt: (rt.name, int(rt.version))):
         key = (rt.name, rt.version)
         doc = rt.statistics()
         st = rt.stats
@@ -124,7 +119,7 @@ def dashboard_stats(server: Server) -> dict[str, Any]:
     cpu_seconds, rss_bytes, rss_is_peak = process_usage()
     # Decoder models' step processes and batched models' worker processes: their
     # CPU and memory are the server's too.
-    child_pids = [pid for rt in server.registry for pid in rt.worker_pids]
+    child_pids = [pid for rt in ctx.registry for pid in rt.worker_pids]
     for pid in child_pids:
         child = child_usage(pid)
         if child is not None:
@@ -136,8 +131,8 @@ def dashboard_stats(server: Server) -> dict[str, Any]:
         "t": time.monotonic(),  # what the page diffs against: rates use the server's clock
         "time": time.time(),
         "latency_bounds_s": LATENCY_BUCKETS_S,
-        "history_s": server.config.dashboard.history_s,
-        "sample_interval_s": server.config.dashboard.sample_interval_s,
+        "history_s": ctx.config.dashboard.history_s,
+        "sample_interval_s": ctx.config.dashboard.sample_interval_s,
         "models": models,
         "process": {
             "cpu_seconds": cpu_seconds,
@@ -154,7 +149,7 @@ def dashboard_stats(server: Server) -> dict[str, Any]:
                 "memory_used_bytes": used,
                 "memory_total_bytes": size,
             }
-            for index, uuid, util, used, size in server.metrics.nvml.samples
+            for index, uuid, util, used, size in ctx.metrics.nvml.samples
         ],
     }
 

@@ -1,4 +1,4 @@
-"""Closing the HTTP frontend without losing a request (on the loop).
+"""Closing the HTTP frontend without losing a request (frontends layer, on the loop).
 
 aiohttp's own shutdown closes every connection at once: a keep-alive client
 that has just sent its next request, or is about to, sees a reset or a

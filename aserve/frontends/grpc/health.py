@@ -10,6 +10,8 @@ loop. aserve reports:
 
 An unknown name answers NOT_FOUND to Check and SERVICE_UNKNOWN to Watch, as
 the health protocol says.
+
+Frontends layer, on the loop.
 """
 
 from __future__ import annotations

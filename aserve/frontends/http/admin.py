@@ -1,4 +1,4 @@
-"""HTTP routes that change or report what is served (on the loop).
+"""HTTP routes that change or report what is served (frontends layer, on the loop).
 
 - ``GET /v2/config/status``: the config in force (its hash), the last reload
   and its result, the last error, settings waiting for a restart, reload
@@ -8,28 +8,30 @@
   of the config file; load (re)loads a model as the file describes it, unload
   takes it out of routing until it is loaded again.
 
-The work is done by :class:`aserve.loop.reload.Reloader`.
+The work is done by :class:`aserve.loop.reload.Reloader`. Frontends layer, on the loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from aserve.errors import AserveError, InvalidArgument
-from aserve.frontends.http import error_response, json_response, read_body
+from aserve.frontends.http.kit import RouteKit, error_response, json_response
 
 if TYPE_CHECKING:
-    from aserve.loop.runtime import Server
-
-Route = Callable[[str, str, Any], None]
+    from aserve.context import FrontendContext
 
 
-def add_admin_routes(route: Route, server: Server) -> None:
-    reloader = server.reloader
+def add_admin_routes(kit: RouteKit, ctx: FrontendContext) -> None:
+    reloader = ctx.reloader
+    read_body = kit.read_body
+
+    async def _body(request: web.Request) -> dict[str, Any]:
+        """The request's JSON object; an empty body is ``{}``."""
+        return _json_object(await read_body(request))
 
     async def config_status(request: web.Request) -> web.Response:
         return json_response(reloader.status.as_dict(reloader.index()))
@@ -70,15 +72,13 @@ def add_admin_routes(route: Route, server: Server) -> None:
             return error_response(exc)
         return web.Response(status=200)
 
-    route("GET", "/v2/config/status", config_status)
-    route("POST", "/v2/repository/index", repository_index)
-    route("POST", "/v2/repository/models/{model}/load", load)
-    route("POST", "/v2/repository/models/{model}/unload", unload)
+    kit.route("GET", "/v2/config/status", config_status)
+    kit.route("POST", "/v2/repository/index", repository_index)
+    kit.route("POST", "/v2/repository/models/{model}/load", load)
+    kit.route("POST", "/v2/repository/models/{model}/unload", unload)
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    """The request's JSON object; an empty body is ``{}``."""
-    raw = await read_body(request)
+def _json_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         return {}
     try:

@@ -1,9 +1,9 @@
-"""Triton's generate extension over HTTP, and what the HTTP generation routes share.
+"""Triton's generate extension over HTTP.
 
 ``POST /v2/models/{m}[/versions/{v}]/generate`` answers one JSON object;
 ``.../generate_stream`` answers server-sent events, one per piece of text,
 and simply ends (no ``[DONE]``); with ``Accept: application/x-ndjson``, the
-same objects as newline-delimited JSON (:mod:`aserve.streaming.http_stream`). The request is
+same objects as newline-delimited JSON (:mod:`aserve.frontends.http.stream`). The request is
 ``{"id"?, "text_input": str, "parameters"?: {...}}``; other top-level keys
 count as parameters, as Triton maps them. Parameters: ``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``,
@@ -15,13 +15,11 @@ in front). The answer: ``{"id"?, "model_name", "model_version",
 Errors before the stream starts are ordinary ``{"error": "..."}`` answers
 with the status of :data:`aserve.frontends.status.HTTP_STATUS`; after it
 starts, ``data: {"error": "..."}`` (NDJSON: a last line ``{"error": "..."}``)
-and the end of the stream.
+and the end of the stream. (Frontends layer; handlers run on the loop.)
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -29,75 +27,15 @@ from aiohttp import web
 
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.validate import request_timeout
-from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge
-from aserve.frontends.http import MAX_TIMEOUT_KEY, error_response, read_body
-from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
-from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
-from aserve.loop.generation import GenerationRuntime, generation_runtime
-from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES, body_limit
-from aserve.streaming.http_stream import json_stream
-from aserve.types.generation import Delta
+from aserve.errors import AserveError, ErrorCode, InvalidArgument
+from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
+from aserve.frontends.http.kit import RUNTIME_KEY, STATUS_KEY, RouteKit, error_response
+from aserve.frontends.http.stream import json_stream
+from aserve.loop.generation import generation_runtime
+from aserve.loop.prompt_size import body_limit
 
 if TYPE_CHECKING:
-    from aserve.loop.runtime import Server
-
-log = logging.getLogger("aserve.http")
-
-Route = Callable[[str, str, Any], None]
-
-
-# --- shared by the HTTP generation routes -------------------------------------
-
-
-async def read_json_object(request: web.Request, limit_bytes: int | None = None) -> dict[str, Any]:
-    """The request body as a JSON object, or :class:`InvalidArgument` / :class:`TooLarge`.
-
-    A body over ``limit_bytes`` is refused before it is read (by its
-    Content-Length) or parsed: parsing runs on the loop.
-    """
-    declared = request.content_length
-    if limit_bytes is not None and declared is not None and declared > limit_bytes:
-        raise _body_too_large(declared, limit_bytes)
-    body = await read_body(request)
-    if limit_bytes is not None and len(body) > limit_bytes:
-        raise _body_too_large(len(body), limit_bytes)
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidArgument("request body must be a JSON object")
-    return doc
-
-
-def timeout_for(
-    request: web.Request, runtime: GenerationRuntime, param_timeout_s: float | None = None
-) -> float:
-    """The generation's timeout by :mod:`aserve.loop.deadline`'s rule: the
-    earlier of the header's and the parameters', else the model's default."""
-    return request_timeout_s(
-        (header_timeout_s(request.headers.get(TIMEOUT_HEADER)), param_timeout_s),
-        runtime.default_timeout_s,
-        request.app[MAX_TIMEOUT_KEY],
-    )
-
-
-def _body_too_large(size: int, limit: int) -> TooLarge:
-    return TooLarge(
-        f"request body: {size} bytes, over the limit of a generation request to this model "
-        f"({limit} bytes: {BODY_BYTES_PER_PROMPT_BYTE} x generation.max_prompt_bytes "
-        f"+ {BODY_SLACK_BYTES // 1024} KiB)"
-    )
-
-
-def usage(delta: Delta | None) -> dict[str, int]:
-    prompt = delta.prompt_tokens if delta else 0
-    completion = delta.completion_tokens if delta else 0
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+    from aserve.context import FrontendContext
 
 
 # --- Triton's generate extension ------------------------------------------------
@@ -106,31 +44,26 @@ _OWN_KEYS = ("id", "text_input", "parameters")
 
 
 class TritonGenerate:
-    def __init__(self, server: Server) -> None:
-        self._server = server
+    def __init__(self, kit: RouteKit, ctx: FrontendContext) -> None:
+        self._ctx = ctx
+        self._read_json = kit.read_json
+        self._max_timeout_s = ctx.config.limits.max_timeout_ms / 1e3
 
-    def add_routes(self, route: Route) -> None:
-        server = self._server
+    def add_routes(self, kit: RouteKit) -> None:
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            route(
-                "POST",
-                base + "/generate",
-                inference_route(server, "http", self.generate, error_response),
-            )
-            route(
-                "POST",
-                base + "/generate_stream",
-                inference_route(server, "http", self.generate_stream, error_response),
-            )
+            generate = kit.counted("http", self.generate, error_response)
+            kit.route("POST", base + "/generate", generate)
+            stream = kit.counted("http", self.generate_stream, error_response)
+            kit.route("POST", base + "/generate_stream", stream)
 
     async def _start(self, request: web.Request) -> tuple[Any, ...]:
         """Everything that can fail before the first byte: parse, validate, admit."""
         info = request.match_info
-        registry = self._server.registry
+        registry = self._ctx.registry
         # The model first: an unknown one is refused without reading the body,
         # and its limits bound what is read and parsed.
         runtime = generation_runtime(registry, info["model"], info.get("version"))
-        doc = await read_json_object(request, body_limit(runtime.generation))
+        doc = await self._read_json(request, body_limit(runtime.generation))
         # Routing is looked up again after the last await before queueing (but
         # for a long prompt's tokenizing, which the runtime counts as busy): a
         # runtime that a reload takes out of routing is drained and unloaded once idle.
@@ -151,7 +84,13 @@ class TritonGenerate:
             raise InvalidArgument("parameter 'exclude_input_in_output' must be true or false")
         # Header and parameters are both checked: a bad one is refused even
         # when the other asks for less time.
-        timeout = timeout_for(request, runtime, request_timeout(params))
+        timeout = resolve_deadline(
+            request.headers.get(TIMEOUT_HEADER),
+            request_timeout(params),
+            None,
+            runtime.default_timeout_s,
+            self._max_timeout_s,
+        )
         sampling = sampling_from_parameters(params)
         seq = await runtime.prepare(sampling, prompt=prompt, client_id=client_id)
         req = runtime.generate(seq, timeout, client_id)
@@ -202,9 +141,6 @@ class TritonGenerate:
                 return sse.response  # the client went away; leaving cancels the sequence
 
 
-def add_generation_routes(route: Route, server: Server) -> None:
-    """Register Triton's generate extension and the OpenAI-compatible API."""
-    from aserve.frontends.openai import OpenAIApi
-
-    TritonGenerate(server).add_routes(route)
-    OpenAIApi(server).add_routes(route)
+def add_generate_routes(kit: RouteKit, ctx: FrontendContext) -> None:
+    """Register Triton's generate extension."""
+    TritonGenerate(kit, ctx).add_routes(kit)

@@ -1,0 +1,41 @@
+"""What a frontend may see of the server (context layer, beside the frontends).
+
+:class:`FrontendContext` is built once by the server and handed to the HTTP
+and gRPC frontends instead of the whole ``Server``: the model registry
+(routing), the admission (``limits.max_concurrency``), the metrics, the
+reloader (Triton's repository routes), the API keys, the config the server
+started with and why the server is not ready. Everything in it is used on
+the loop.
+
+``config`` is a snapshot taken at start: the settings frontends read
+(``limits``, ``http``, ``grpc``, ``tls``, ``auth``, ``dashboard``) change
+only with a restart; a reload changes the models, which frontends find in
+``registry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aserve.config import ServerConfig
+    from aserve.frontends.auth import ApiKeys
+    from aserve.loop.limits import Admission
+    from aserve.loop.registry import ModelRegistry
+    from aserve.loop.reload import Reloader
+    from aserve.metrics import Metrics
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendContext:
+    config: ServerConfig
+    base_dir: Path  # relative paths in the config (TLS files) are relative to it
+    registry: ModelRegistry
+    admission: Admission
+    metrics: Metrics
+    reloader: Reloader
+    api_keys: ApiKeys | None
+    not_ready_reason: Callable[[], str | None]  # why the server is not ready, None when it is

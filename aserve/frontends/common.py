@@ -1,0 +1,167 @@
+"""What every route of both frontends shares (frontends layer; on the loop, no I/O).
+
+- :func:`resolve_deadline`: the one deadline rule. A request may ask for a
+  timeout three ways: the ``aserve-timeout-ms`` header (HTTP), a body
+  parameter (``timeout_ms``, or Triton's ``timeout`` in microseconds; gRPC
+  Generate's ``timeout_ms`` field) and the gRPC call's deadline. Its timeout
+  is the earliest of those it gives, or the model's default when it gives
+  none; either way no later than ``limits.max_timeout_ms``. A given value
+  that is not a finite positive number (``inf``, ``NaN``, ``1e309``, ``0``,
+  ``-1``, text) is refused with :class:`InvalidArgument` naming the field:
+  "no deadline" is not a deadline, and a request nobody bounds would hold its
+  queue slot forever. (Body parameters are parsed where the body is decoded,
+  by :func:`aserve.codecs.timeouts.parameter_timeout_s`.)
+- :class:`admit_and_count`: admission (``limits.max_concurrency``) for as long
+  as a request runs, then one count under its runtime, protocol and status.
+- The names both frontends use: :data:`TIMEOUT_HEADER`, :data:`FINAL` and
+  :data:`EMPTY_FINAL` (Triton's decoupled flags), :func:`as_error`,
+  :func:`bool_parameter`, :func:`usage` and the :data:`Route` alias.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from time import perf_counter
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Final
+
+from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
+from aserve.metrics import OK
+
+if TYPE_CHECKING:
+    from aserve._proto import grpc_service_pb2 as pb
+    from aserve.context import FrontendContext
+    from aserve.types.generation import Delta
+
+log = logging.getLogger("aserve.frontends")
+
+TIMEOUT_HEADER: Final = "aserve-timeout-ms"
+FINAL: Final = "triton_final_response"
+EMPTY_FINAL: Final = "triton_enable_empty_final_response"
+
+# How a route is added to the HTTP app: route(method, path, handler).
+Route = Callable[[str, str, Any], None]
+
+
+def resolve_deadline(
+    header: str | None,
+    parameter_s: float | None,
+    call_s: float | None,
+    default_s: float,
+    max_s: float,
+) -> float:
+    """The request's timeout in seconds: the earliest of the ``aserve-timeout-ms``
+    ``header`` (its raw value), the body's ``parameter_s`` and the gRPC call's
+    ``call_s`` (``time_remaining()``; it may be <= 0 once passed, which the
+    batcher answers DEADLINE_EXCEEDED), each None when not given, else
+    ``default_s`` (the model's); at most ``max_s`` (``limits.max_timeout_ms``)."""
+    timeout = default_s
+    if header is not None or parameter_s is not None or call_s is not None:
+        given = [t for t in (_header_s(header), parameter_s, call_s) if t is not None]
+        timeout = min(given)
+    return timeout if timeout < max_s else max_s
+
+
+def _header_s(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and ms > 0):
+        shown = value[:40].encode("ascii", "backslashreplace").decode()  # junk stays one line
+        raise InvalidArgument(
+            f"header {TIMEOUT_HEADER}: '{shown}' must be a finite positive number of ms"
+        )
+    return ms / 1e3
+
+
+class admit_and_count:  # lower case: it reads as a function, `with admit_and_count(...)`
+    """``with admit_and_count(ctx, protocol, served) as call:`` one inference request.
+
+    Runs ``gate`` (gRPC's bound on calls, ``limits.max_connections``), if any,
+    then enters the server's admission (``limits.max_concurrency``); a refusal
+    by either raises its :class:`~aserve.errors.QueueFull`, counted. On leaving it counts one
+    request under ``served()`` (the runtime that served it, or None),
+    ``protocol`` and its status: ``call.status`` (``"ok"`` unless the route
+    sets another) when the block ends normally, else the error that ended it
+    (``cancelled`` for a client gone, ``internal`` for a bug). The same for
+    HTTP routes (``served`` reads the runtime the handler stored) and gRPC.
+    """
+
+    __slots__ = ("_admission", "_gate", "_protocol", "_record", "_served", "_started", "status")
+
+    def __init__(
+        self,
+        ctx: FrontendContext,
+        protocol: str,
+        served: Callable[[], Any],
+        gate: Callable[[], None] | None = None,
+    ) -> None:
+        self._started = perf_counter()
+        self._admission = ctx.admission
+        self._record = ctx.metrics.requests.record
+        self._protocol = protocol
+        self._served = served
+        self._gate = gate
+        self.status = OK
+
+    def __enter__(self) -> admit_and_count:
+        try:
+            if self._gate is not None:
+                self._gate()
+            self._admission.__enter__()
+        except AserveError as exc:
+            self._record(self._served(), self._protocol, exc.code.value, self._started)
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._admission.__exit__(exc_type, exc, tb)
+        if exc is None:
+            status = self.status
+        elif isinstance(exc, AserveError):
+            status = exc.code.value
+        elif isinstance(exc, Exception):
+            status = ErrorCode.INTERNAL.value  # a bug
+        else:  # CancelledError, or GeneratorExit for a stream nobody reads on
+            status = ErrorCode.CANCELLED.value
+        self._record(self._served(), self._protocol, status, self._started)
+
+
+def as_error(exc: Exception, what: str, request_id: str = "") -> AserveError:
+    """``exc`` as the error to answer: itself when it is an :class:`AserveError`;
+    anything else is a bug, not the client's fault: logged, answered INTERNAL."""
+    if isinstance(exc, AserveError):
+        return exc
+    log.exception("%s (request id %r) failed unexpectedly", what, request_id)
+    return InternalError(f"internal error: {exc!r}")
+
+
+def bool_parameter(request: pb.ModelInferRequest, key: str) -> bool:
+    """Whether a ModelInferRequest's parameter ``key`` is the bool true."""
+    param = request.parameters.get(key)
+    return (
+        param is not None
+        and param.WhichOneof("parameter_choice") == "bool_param"
+        and param.bool_param
+    )
+
+
+def usage(delta: Delta | None) -> dict[str, int]:
+    """A generation's token counts from its last delta, as OpenAI and Triton answer them."""
+    prompt = delta.prompt_tokens if delta else 0
+    completion = delta.completion_tokens if delta else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }

@@ -1,0 +1,77 @@
+"""API keys and TLS over gRPC: a server interceptor, the server's credentials
+(frontends layer; the interceptor runs on the loop, before every call).
+
+A call without a valid ``authorization: Bearer KEY`` metadata entry ends
+``UNAUTHENTICATED``; the health service is open when a health path is in
+``auth.open_paths`` (see :mod:`aserve.frontends.auth`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from aserve.config import TlsConfig
+from aserve.frontends.auth import ApiKeys, refused
+
+_HEALTH_SERVICE = "/grpc.health.v1.Health/"
+
+
+class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without a valid ``authorization`` metadata entry."""
+
+    def __init__(self, keys: ApiKeys, open_paths: Iterable[str]) -> None:
+        self._keys = keys
+        self._health_open = any(p.startswith("/v2/health") for p in open_paths)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if self._health_open and details.method.startswith(_HEALTH_SERVICE):
+            return await continuation(details)
+        authorization = None
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                # latin-1 decodes any bytes; check() then refuses what is not ASCII.
+                authorization = value if isinstance(value, str) else bytes(value).decode("latin-1")
+                break
+        why = self._keys.check(authorization)
+        if why is None:
+            return await continuation(details)
+        refused("refused a gRPC call of %.100r without a valid API key: %s",
+                        details.method, why)  # fmt: skip
+        handler = await continuation(details)
+        return _refusing(handler, why)
+
+
+def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler is None:  # an unknown method: refused all the same, not revealed
+        return grpc.unary_unary_rpc_method_handler(refuse)
+    make = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return make(
+        refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def grpc_server_credentials(tls: TlsConfig, base_dir: Path) -> grpc.ServerCredentials:
+    """The gRPC frontend's TLS credentials; OSError when the files cannot be read."""
+    cert = (base_dir / tls.cert_file).read_bytes()
+    key = (base_dir / tls.key_file).read_bytes()
+    return grpc.ssl_server_credentials([(key, cert)])

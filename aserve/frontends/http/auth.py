@@ -1,0 +1,61 @@
+"""API keys and TLS over HTTP: an aiohttp middleware, the server's TLS context
+(frontends layer; the middleware runs on the loop, before every handler).
+
+A request without a valid ``Authorization: Bearer KEY`` is answered 401 with
+``WWW-Authenticate: Bearer`` and its connection closed; paths in
+``auth.open_paths`` are served without one (see :mod:`aserve.frontends.auth`).
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from aserve.config import TlsConfig
+from aserve.frontends.auth import ApiKeys, refused
+
+
+def http_middleware(keys: ApiKeys, open_paths: Iterable[str]) -> Any:
+    """An aiohttp middleware that refuses requests without a valid key."""
+    open_set = frozenset(open_paths)
+
+    @web.middleware
+    async def require_key(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        why = keys.check(request.headers.get("Authorization"))
+        if request.path in open_set:
+            response = await handler(request)
+            if why is not None:
+                # Served without a key (a probe): no keep-alive either, so an
+                # unauthenticated client cannot hold a connection by polling health.
+                response.force_close()
+            return response
+        if why is None:
+            return await handler(request)
+        refused("refused an HTTP request from %s without a valid API key: %s",
+                        request.remote, why)  # fmt: skip
+        response = web.Response(
+            status=401,
+            body=orjson.dumps({"error": why}),
+            content_type="application/json",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        # No keep-alive without a key: an unauthenticated client holds no
+        # connection (nor a slot of limits.max_connections) past its answer.
+        response.force_close()
+        return response
+
+    return require_key
+
+
+def server_ssl_context(tls: TlsConfig, base_dir: Path) -> ssl.SSLContext:
+    """The HTTP frontend's TLS context; OSError (ssl.SSLError) when the files do not do."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(base_dir / tls.cert_file, base_dir / tls.key_file)
+    return context
