@@ -20,7 +20,7 @@ from aserve.config import ModelConfig
 from aserve.engines.base import Engine
 from aserve.engines.executor import BatchJob, ExecutorPool
 from aserve.errors import InternalError
-from aserve.loop.model import ModelRuntime
+from aserve.loop.runtimes.batched import ModelRuntime
 
 pytestmark = pytest.mark.timeout(60)
 

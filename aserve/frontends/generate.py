@@ -33,8 +33,8 @@ from aserve.errors import AserveError, ErrorCode, InvalidArgument, TooLarge
 from aserve.frontends.http import MAX_TIMEOUT_KEY, error_response, read_body
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
 from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
-from aserve.loop.generation import GenerationRuntime, generation_runtime
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES, body_limit
+from aserve.loop.runtimes.generation import GenerationRuntime, generation_runtime
 from aserve.streaming.channel import Delta
 from aserve.streaming.http_stream import json_stream
 

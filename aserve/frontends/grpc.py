@@ -44,12 +44,12 @@ from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
 from aserve.loop.deadline import request_timeout_s
 from aserve.loop.fd_limit import fds_in_use, open_file_limit
-from aserve.loop.generation import GenerationRuntime
+from aserve.loop.runtimes.generation import GenerationRuntime
 from aserve.metrics import OK
 
 if TYPE_CHECKING:
-    from aserve.loop.model import ModelRuntime
     from aserve.loop.runtime import Server
+    from aserve.loop.runtimes.batched import ModelRuntime
 
 log = logging.getLogger("aserve.grpc")
 

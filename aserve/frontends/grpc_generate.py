@@ -31,14 +31,14 @@ from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
 from aserve.loop.deadline import request_timeout_s
-from aserve.loop.generation import (
+from aserve.loop.prompt_size import check_prompt_size
+from aserve.loop.runtimes.generation import (
     TEXT_OUTPUT,
     GenerationRuntime,
     generation_runtime,
     text_input,
     text_tensor,
 )
-from aserve.loop.prompt_size import check_prompt_size
 from aserve.metrics import OK
 from aserve.streaming.channel import Delta
 

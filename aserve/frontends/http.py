@@ -33,8 +33,8 @@ from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeo
 from aserve.loop.fd_limit import fds_in_use, open_file_limit
 
 if TYPE_CHECKING:
-    from aserve.loop.model import ModelRuntime
     from aserve.loop.runtime import Server
+    from aserve.loop.runtimes.batched import ModelRuntime
 
 log = logging.getLogger("aserve.http")
 

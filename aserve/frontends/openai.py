@@ -41,12 +41,12 @@ from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.generate import Route, read_json_object, timeout_for, usage
 from aserve.frontends.http_metrics import RUNTIME_KEY, STATUS_KEY, inference_route
 from aserve.frontends.status import HTTP_STATUS
-from aserve.loop.generation import (
+from aserve.loop.prompt_size import check_prompt_size
+from aserve.loop.runtimes.generation import (
     GenerationRuntime,
     generation_body_limit,
     generation_runtime,
 )
-from aserve.loop.prompt_size import check_prompt_size
 from aserve.streaming.channel import Delta
 from aserve.streaming.http_stream import json_stream
 from aserve.streaming.sse import DONE

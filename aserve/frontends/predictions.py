@@ -43,12 +43,12 @@ from aserve.errors import AserveError, InvalidArgument, TooLarge
 from aserve.frontends.http import MAX_BODY_KEY, MAX_TIMEOUT_KEY, error_response, read_body
 from aserve.frontends.http_metrics import RUNTIME_KEY, inference_route
 from aserve.loop.deadline import TIMEOUT_HEADER, header_timeout_s, request_timeout_s
-from aserve.loop.handler_model import HandlerRuntime
+from aserve.loop.runtimes.handler import HandlerRuntime
 
 if TYPE_CHECKING:
     from aserve.frontends.generate import Route
-    from aserve.loop.model import ModelRuntime
     from aserve.loop.runtime import Server
+    from aserve.loop.runtimes.batched import ModelRuntime
 
 MAX_PARTS = 128  # parts of one multipart/form-data body
 MAX_PREAMBLE_BYTES = 1024  # before the first boundary (RFC 2046 allows some; nobody sends it)

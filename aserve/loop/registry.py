@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from aserve.errors import NotFound, Unavailable
-from aserve.loop.model import ModelRuntime
+from aserve.loop.runtimes.batched import ModelRuntime
 
 # (name, version) for an exact version; (name, None) for the highest version.
 _Key = tuple[str, "str | None"]

@@ -34,8 +34,8 @@ import orjson
 
 from aserve.config import ConfigError, ModelConfig, ServerConfig, check_model_files, parse_config
 from aserve.errors import InternalError, NotFound, Unavailable
-from aserve.loop.model import ModelRuntime
-from aserve.loop.runtimes import create_runtime
+from aserve.loop.runtimes.batched import ModelRuntime
+from aserve.loop.runtimes.factory import create_runtime
 
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server

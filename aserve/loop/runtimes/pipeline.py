@@ -32,7 +32,7 @@ from aserve.errors import (
     NotFound,
     Unavailable,
 )
-from aserve.loop.model import ModelRuntime, ModelState
+from aserve.loop.runtimes.batched import ModelRuntime, ModelState
 
 if TYPE_CHECKING:
     from aserve.loop.registry import ModelRegistry

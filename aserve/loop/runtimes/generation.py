@@ -1,6 +1,6 @@
 """One served decoder model (``"engine": "decoder"``): engine, step thread, continuous batcher.
 
-The generative counterpart of :class:`aserve.loop.model.ModelRuntime`: the
+The generative counterpart of :class:`aserve.loop.runtimes.batched.ModelRuntime`: the
 same registry, readiness, statistics and unload, but requests are sequences
 that stream tokens. A frontend turns its wire request into a prompt and
 :class:`SamplingParams`, then
@@ -34,8 +34,8 @@ from aserve.engines.decoder import Sequence as EngineSequence
 from aserve.engines.step_executor import StepExecutor
 from aserve.engines.step_process import ProcessStepExecutor, WorkerArgs
 from aserve.errors import InvalidArgument, TooLarge, Unavailable
-from aserve.loop.model import ModelState
 from aserve.loop.prompt_size import BODY_SLACK_BYTES, body_limit, check_prompt_size
+from aserve.loop.runtimes.batched import ModelState
 from aserve.scheduler.continuous import ContinuousBatcher, GenerationRequest
 from aserve.stats import ModelStats
 

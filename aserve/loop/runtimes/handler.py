@@ -41,7 +41,7 @@ from aserve.errors import (
     Unavailable,
 )
 from aserve.handler_metrics import MetricSet
-from aserve.loop.model import ModelRuntime
+from aserve.loop.runtimes.batched import ModelRuntime
 
 # The last part of a request's time budget that its answer needs to reach the client.
 ANSWER_SLACK = 0.05

@@ -1,0 +1,1 @@
+"""Model runtimes: one served model version each, on the event loop."""
