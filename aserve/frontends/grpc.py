@@ -49,7 +49,7 @@ from aserve.metrics import OK
 
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server
-    from aserve.loop.runtimes.batched import ModelRuntime
+    from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
 log = logging.getLogger("aserve.grpc")
 

@@ -25,7 +25,7 @@ from aserve._proto import POOL
 
 if TYPE_CHECKING:
     from aserve.loop.registry import ModelRegistry
-    from aserve.loop.runtimes.batched import ModelRuntime
+    from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -34,7 +34,7 @@ from aserve.loop.fd_limit import fds_in_use, open_file_limit
 
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server
-    from aserve.loop.runtimes.batched import ModelRuntime
+    from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
 log = logging.getLogger("aserve.http")
 

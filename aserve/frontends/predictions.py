@@ -48,7 +48,7 @@ from aserve.loop.runtimes.handler import HandlerRuntime
 if TYPE_CHECKING:
     from aserve.frontends.generate import Route
     from aserve.loop.runtime import Server
-    from aserve.loop.runtimes.batched import ModelRuntime
+    from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
 MAX_PARTS = 128  # parts of one multipart/form-data body
 MAX_PREAMBLE_BYTES = 1024  # before the first boundary (RFC 2046 allows some; nobody sends it)

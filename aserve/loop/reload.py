@@ -28,13 +28,13 @@ import os
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from aserve.config import ConfigError, ModelConfig, ServerConfig, check_model_files, parse_config
 from aserve.errors import InternalError, NotFound, Unavailable
-from aserve.loop.runtimes.batched import ModelRuntime
+from aserve.loop.runtimes.base import Runtime
 from aserve.loop.runtimes.factory import create_runtime
 
 if TYPE_CHECKING:
@@ -365,22 +365,19 @@ class Reloader:
         where = {m.key: f"models[{i}]" for i, m in enumerate(file_config.models)}
         current = {(rt.name, rt.version): rt for rt in server.registry}
         changes = Changes()
-        fresh: list[tuple[ModelConfig, ModelRuntime]] = []
-        in_place: list[tuple[ModelRuntime, ModelConfig]] = []
+        fresh: list[tuple[ModelConfig, Runtime]] = []
+        in_place: list[tuple[Runtime, ModelConfig]] = []
         for key, new in want.items():
             rt = current.get(key)
-            if rt is None:
-                changes.added.append(rt_label(new))
-            elif new.name in reload_names or (
-                new != rt.config and not ModelRuntime.reconfigurable(rt.config, new)
-            ):
-                changes.replaced.append(rt_label(new))
-            elif new != rt.config:
+            how = change_of(rt, new, new.name in reload_names)
+            if how == "keep":
+                continue
+            if how == "reconfigure":
+                assert rt is not None
                 in_place.append((rt, new))
                 changes.reconfigured.append(rt_label(new))
                 continue
-            else:
-                continue
+            (changes.added if how == "add" else changes.replaced).append(rt_label(new))
             fresh.append(
                 (new, create_runtime(new, server.base_dir, server.registry, server.config.gpu))
             )
@@ -402,7 +399,7 @@ class Reloader:
         return changes
 
     async def _load_all(
-        self, fresh: list[tuple[ModelConfig, ModelRuntime]], where: dict[tuple[str, str], str]
+        self, fresh: list[tuple[ModelConfig, Runtime]], where: dict[tuple[str, str], str]
     ) -> None:
         """Load and warm every new runtime beside the served ones; all or nothing."""
         runtimes = [rt for _, rt in fresh]
@@ -420,12 +417,12 @@ class Reloader:
             await asyncio.gather(*(rt.unload() for rt in runtimes), return_exceptions=True)
             raise ReloadRejected("\n".join(failed))
 
-    def _retire(self, runtime: ModelRuntime) -> None:
+    def _retire(self, runtime: Runtime) -> None:
         task = asyncio.create_task(self._drain(runtime), name=f"aserve-retire-{runtime.label}")
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
-    async def _drain(self, runtime: ModelRuntime) -> None:
+    async def _drain(self, runtime: Runtime) -> None:
         """Let a runtime that routing no longer reaches finish its requests, then unload it."""
         timeout = self._server.config.drain_timeout_s
         if not await runtime.wait_idle(timeout):
@@ -439,6 +436,23 @@ class Reloader:
             log.exception("unloading model %s failed", runtime.label)
             return
         log.info("model %s drained and unloaded", runtime.label)
+
+
+def change_of(
+    runtime: Runtime | None, new: ModelConfig, reload: bool = False
+) -> Literal["add", "replace", "reconfigure", "keep"]:
+    """How serving ``new`` changes what ``runtime`` (None: nothing) serves now:
+    a new runtime beside it (also when ``reload``), in place, or not at all.
+    What applies in place is the runtime's own class's call (its ``reconfigurable``)."""
+    if runtime is None:
+        return "add"
+    if reload:
+        return "replace"
+    if new == runtime.config:
+        return "keep"
+    if type(runtime).reconfigurable(runtime.config, new):
+        return "reconfigure"
+    return "replace"
 
 
 def rt_label(config: ModelConfig) -> str:
