@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from aserve.config import ModelConfig, parse_config
+from aserve.errors import QueueFull
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import change_of
 from aserve.loop.runtimes.base import DRAIN_POLL_S, Runtime, instance_group
@@ -157,3 +162,82 @@ def test_a_stage_timed_on_handler_threads_is_read_on_the_loop_side() -> None:
         t.join(timeout=10)
     assert results == [7, 7, 7, 7]
     assert stage.time.mean > 0
+
+
+HELD_HANDLER = """
+import os
+import numpy as np
+
+
+class Held:
+    def load(self, context):
+        self.entered = context.parameters["entered"]
+        self.gate = context.parameters["gate"]
+
+    def preprocess(self, request):
+        with open(self.entered, "a") as f:
+            f.write("x\\n")
+        if request.parameters.get("hold"):
+            with open(self.gate, "rb"):  # a FIFO: returns once the test opens it for writing
+                pass
+        return {"x": request.inputs["X"]}
+
+    def infer(self, batch):
+        return {"y": batch["x"] + 1}
+
+    def postprocess(self, outputs, request):
+        return {"Y": outputs["y"]}
+"""
+
+
+async def _poll(what: Any, timeout_s: float = 20.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if what():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+async def test_a_handler_request_in_preprocessing_holds_a_place_in_the_batched_queue(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "held_preprocess.py").write_text(HELD_HANDLER)
+    entered, gate = tmp_path / "entered", tmp_path / "gate"
+    os.mkfifo(gate)
+    config = parse_config(
+        {"models": [{
+            "name": "held", "engine": "python", "handler": "held_preprocess:Held",
+            "inputs": [_t("X")], "outputs": [_t("Y")],
+            "parameters": {"entered": str(entered), "gate": str(gate)},
+            "batching": {"max_batch_size": 4, "max_queue_size": 2, "max_delay_ms": 0},
+        }]},
+        base_dir=tmp_path,
+    ).models[0]  # fmt: skip
+    rt = create_runtime(config, tmp_path, ModelRegistry())
+    await rt.load()
+
+    def infer(hold: bool, timeout_s: float = 30.0) -> Any:
+        x = np.ones((1, 4), np.float32)
+        return rt.infer({"X": x}, 1, (), timeout_s, parameters={"hold": True} if hold else None)
+
+    def release() -> None:
+        # Opening the FIFO's other end lets every preprocess blocked on it go on.
+        with contextlib.suppress(OSError):  # ENXIO: none is blocked on it
+            os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
+
+    try:
+        held = [asyncio.ensure_future(infer(hold=True)) for _ in range(2)]
+        await _poll(lambda: entered.exists() and len(entered.read_text().split()) == 2)
+        # Two wait in preprocessing, none in the queue: the queue of 2 is full for a third,
+        # which is refused before it is preprocessed.
+        with pytest.raises(QueueFull, match=r"2 requests waiting \(max_queue_size 2\)"):
+            await infer(hold=False, timeout_s=5.0)
+        assert len(entered.read_text().split()) == 2
+        release()
+        for answer in await asyncio.wait_for(asyncio.gather(*held), 30):
+            assert answer["Y"].tolist() == [[2.0] * 4]
+        # Their places are given back: a request is served again.
+        assert (await asyncio.wait_for(infer(hold=False), 30))["Y"].tolist() == [[2.0] * 4]
+    finally:
+        release()  # else a failed check leaves handler threads that unload waits for
+        await rt.unload()
