@@ -1,15 +1,18 @@
 """Config hot reload and the model repository: change what is served while serving.
 
-Runs on the loop; reading, parsing, importing handlers and loading models run
-off it. One change is applied at a time (a lock), whatever asked for it: the
-file watcher, SIGHUP, or the repository API (load/unload).
+Layer: loop. Runs on the loop; reading, parsing, importing handlers and
+loading models run off it. Runtimes are seen through their one contract
+(:class:`aserve.loop.runtimes.base.Runtime`). One change is applied at a
+time (a lock), whatever asked for it: the file watcher, SIGHUP, or the
+repository API (load/unload).
 
 A change goes: read the file -> parse and validate into a new immutable
 config (handlers imported, files checked) -> diff against what is served ->
 load and warm every added or changed model beside the running ones -> swap
 the routing table in one assignment -> drain the runtimes that left it and
-unload them in the background. Batching settings other than
-``max_batch_size`` apply in place, without a new runtime. Anything that fails
+unload them in the background. What applies in place, without a new
+runtime, the runtime's class says (``reconfigurable``): batching settings
+other than ``max_batch_size``; for a decoder model, nothing. Anything that fails
 before the swap changes nothing: the new runtimes are unloaded, the old
 config stays in force, and the error (with its JSON path) is logged and kept
 in :class:`ReloadStatus` for ``GET /v2/config/status``.
