@@ -19,7 +19,7 @@ from aserve.codecs.validate import check_batch
 from aserve.config import ModelConfig
 from aserve.engines.base import Engine
 from aserve.errors import InternalError
-from aserve.loop.model import ModelRuntime
+from aserve.loop.runtimes.batched import ModelRuntime
 from aserve.workers.job import BatchJob
 from aserve.workers.thread_pool import ExecutorPool
 

@@ -10,9 +10,9 @@ import pytest
 from aserve.config import ConfigError, parse_config
 from aserve.engines.python_handler import HandlerImportError, import_handler
 from aserve.errors import NotFound
-from aserve.loop.model import ModelRuntime
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import _dependents, _differences
+from aserve.loop.runtimes.batched import ModelRuntime
 
 
 def _t(name: str, datatype: str = "FP32", shape: list[int] | None = None) -> dict[str, Any]:

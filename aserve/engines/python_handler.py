@@ -10,7 +10,7 @@ importable from the config file's folder. The class has::
     unload(self)                        optional, once, off the loop
 
 ``preprocess`` and ``postprocess`` run in the model's handler threads (see
-``aserve/loop/handler_model.py``); the arrays ``preprocess`` returns are
+``aserve/loop/runtimes/handler.py``); the arrays ``preprocess`` returns are
 batched with other requests' (stacked along the first dimension) and handed
 to ``infer`` on an executor thread. Methods may run concurrently on several
 threads, so a handler must not keep per-request state on ``self``.

@@ -1,6 +1,7 @@
 """The asyncio core: requests, batchers, model runtimes and the server lifecycle.
 
-Everything in this package runs on the event loop. The thread-to-loop
-handoff, the only code executor threads may call, is
-:mod:`aserve.workers.handoff`.
+Everything in this package runs on the event loop, except
+``runtimes/handler_threads.py``, which runs on a handler model's own threads
+(its user's pre- and postprocessing). The thread-to-loop handoff, the only
+code executor threads may call, is :mod:`aserve.workers.handoff`.
 """

@@ -1,4 +1,4 @@
-"""Routing from (model, version) to the runtime serving it.
+"""Routing from (model, version) to the runtime serving it (layer: loop; runs on the loop).
 
 The routing table is an immutable snapshot: a dict that is never changed
 once published, replaced as a whole by one assignment on the loop. A lookup
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from aserve.errors import NotFound, Unavailable
-from aserve.loop.model import ModelRuntime
+from aserve.loop.runtimes.base import Runtime
 
 # (name, version) for an exact version; (name, None) for the highest version.
 _Key = tuple[str, "str | None"]
@@ -23,14 +23,14 @@ class ModelRegistry:
     """Runtimes by name and version. A request without a version gets the highest."""
 
     def __init__(self) -> None:
-        self._routes: dict[_Key, ModelRuntime] = {}
+        self._routes: dict[_Key, Runtime] = {}
         # Every routed runtime, in the order they were added (unload goes in reverse).
-        self._runtimes: tuple[ModelRuntime, ...] = ()
+        self._runtimes: tuple[Runtime, ...] = ()
         # While the server starts (listening, models loading), a model not routed
         # yet may be one still loading: not ready (503), rather than unknown (404).
         self.starting = False
 
-    def get(self, name: str, version: str | None = None) -> ModelRuntime:
+    def get(self, name: str, version: str | None = None) -> Runtime:
         runtime = self._routes.get((name, version or None))
         if runtime is not None:
             return runtime
@@ -45,12 +45,10 @@ class ModelRegistry:
         """The routed versions of ``name``, lowest first."""
         return sorted((rt.version for rt in self._runtimes if rt.name == name), key=int)
 
-    def add(self, runtime: ModelRuntime) -> None:
+    def add(self, runtime: Runtime) -> None:
         self.swap(add=[runtime])
 
-    def swap(
-        self, add: Iterable[ModelRuntime] = (), remove: Iterable[ModelRuntime] = ()
-    ) -> list[ModelRuntime]:
+    def swap(self, add: Iterable[Runtime] = (), remove: Iterable[Runtime] = ()) -> list[Runtime]:
         """Route ``add`` and unroute ``remove`` in one step; returns what left the table.
 
         A runtime in ``add`` replaces the one routed under its name and version,
@@ -66,7 +64,7 @@ class ModelRegistry:
                 left.append(old)
                 del by_key[(rt.name, rt.version)]  # re-added last: keeps load order honest
             by_key[(rt.name, rt.version)] = rt
-        routes: dict[_Key, ModelRuntime] = {}
+        routes: dict[_Key, Runtime] = {}
         for (name, version), rt in by_key.items():
             routes[(name, version)] = rt
             latest = routes.get((name, None))
@@ -76,7 +74,7 @@ class ModelRegistry:
         self._routes = routes  # the one assignment that publishes the new routing
         return left
 
-    def __iter__(self) -> Iterator[ModelRuntime]:
+    def __iter__(self) -> Iterator[Runtime]:
         return iter(self._runtimes)
 
     def __len__(self) -> int:

@@ -1,15 +1,18 @@
 """Config hot reload and the model repository: change what is served while serving.
 
-Runs on the loop; reading, parsing, importing handlers and loading models run
-off it. One change is applied at a time (a lock), whatever asked for it: the
-file watcher, SIGHUP, or the repository API (load/unload).
+Layer: loop. Runs on the loop; reading, parsing, importing handlers and
+loading models run off it. Runtimes are seen through their one contract
+(:class:`aserve.loop.runtimes.base.Runtime`). One change is applied at a
+time (a lock), whatever asked for it: the file watcher, SIGHUP, or the
+repository API (load/unload).
 
 A change goes: read the file -> parse and validate into a new immutable
 config (handlers imported, files checked) -> diff against what is served ->
 load and warm every added or changed model beside the running ones -> swap
 the routing table in one assignment -> drain the runtimes that left it and
-unload them in the background. Batching settings other than
-``max_batch_size`` apply in place, without a new runtime. Anything that fails
+unload them in the background. What applies in place, without a new
+runtime, the runtime's class says (``reconfigurable``): batching settings
+other than ``max_batch_size``; for a decoder model, nothing. Anything that fails
 before the swap changes nothing: the new runtimes are unloaded, the old
 config stays in force, and the error (with its JSON path) is logged and kept
 in :class:`ReloadStatus` for ``GET /v2/config/status``.
@@ -28,15 +31,15 @@ import os
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from aserve.config import ConfigError, ModelConfig, ServerConfig, parse_config
 from aserve.config.checks import check_model_files
 from aserve.errors import InternalError, NotFound, Unavailable
-from aserve.loop.model import ModelRuntime
-from aserve.loop.runtimes import create_runtime
+from aserve.loop.runtimes.base import Runtime
+from aserve.loop.runtimes.factory import create_runtime
 
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server
@@ -366,22 +369,19 @@ class Reloader:
         where = {m.key: f"models[{i}]" for i, m in enumerate(file_config.models)}
         current = {(rt.name, rt.version): rt for rt in server.registry}
         changes = Changes()
-        fresh: list[tuple[ModelConfig, ModelRuntime]] = []
-        in_place: list[tuple[ModelRuntime, ModelConfig]] = []
+        fresh: list[tuple[ModelConfig, Runtime]] = []
+        in_place: list[tuple[Runtime, ModelConfig]] = []
         for key, new in want.items():
             rt = current.get(key)
-            if rt is None:
-                changes.added.append(rt_label(new))
-            elif new.name in reload_names or (
-                new != rt.config and not ModelRuntime.reconfigurable(rt.config, new)
-            ):
-                changes.replaced.append(rt_label(new))
-            elif new != rt.config:
+            how = change_of(rt, new, new.name in reload_names)
+            if how == "keep":
+                continue
+            if how == "reconfigure":
+                assert rt is not None
                 in_place.append((rt, new))
                 changes.reconfigured.append(rt_label(new))
                 continue
-            else:
-                continue
+            (changes.added if how == "add" else changes.replaced).append(rt_label(new))
             fresh.append(
                 (new, create_runtime(new, server.base_dir, server.registry, server.config.gpu))
             )
@@ -403,7 +403,7 @@ class Reloader:
         return changes
 
     async def _load_all(
-        self, fresh: list[tuple[ModelConfig, ModelRuntime]], where: dict[tuple[str, str], str]
+        self, fresh: list[tuple[ModelConfig, Runtime]], where: dict[tuple[str, str], str]
     ) -> None:
         """Load and warm every new runtime beside the served ones; all or nothing."""
         runtimes = [rt for _, rt in fresh]
@@ -421,12 +421,12 @@ class Reloader:
             await asyncio.gather(*(rt.unload() for rt in runtimes), return_exceptions=True)
             raise ReloadRejected("\n".join(failed))
 
-    def _retire(self, runtime: ModelRuntime) -> None:
+    def _retire(self, runtime: Runtime) -> None:
         task = asyncio.create_task(self._drain(runtime), name=f"aserve-retire-{runtime.label}")
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
-    async def _drain(self, runtime: ModelRuntime) -> None:
+    async def _drain(self, runtime: Runtime) -> None:
         """Let a runtime that routing no longer reaches finish its requests, then unload it."""
         timeout = self._server.config.drain_timeout_s
         if not await runtime.wait_idle(timeout):
@@ -440,6 +440,23 @@ class Reloader:
             log.exception("unloading model %s failed", runtime.label)
             return
         log.info("model %s drained and unloaded", runtime.label)
+
+
+def change_of(
+    runtime: Runtime | None, new: ModelConfig, reload: bool = False
+) -> Literal["add", "replace", "reconfigure", "keep"]:
+    """How serving ``new`` changes what ``runtime`` (None: nothing) serves now:
+    a new runtime beside it (also when ``reload``), in place, or not at all.
+    What applies in place is the runtime's own class's call (its ``reconfigurable``)."""
+    if runtime is None:
+        return "add"
+    if reload:
+        return "replace"
+    if new == runtime.config:
+        return "keep"
+    if type(runtime).reconfigurable(runtime.config, new):
+        return "reconfigure"
+    return "replace"
 
 
 def rt_label(config: ModelConfig) -> str:

@@ -1,13 +1,15 @@
 """One inference request as the loop sees it: inputs, deadline, and its future.
 
 A request is created by a frontend after validation, owned by the loop, and
-answered exactly once through its future. Only loop code touches it.
+answered exactly once through its future. Only loop code touches it
+(layer: loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,7 @@ import numpy as np
 _ids = itertools.count(1)
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class InferenceRequest:
     """A validated request for one model.
 
@@ -23,48 +26,27 @@ class InferenceRequest:
     ``max_batch_size``. ``shape_key`` groups requests whose non-batch shapes
     match, since only those can be stacked together. ``deadline`` and
     ``arrival`` are ``time.monotonic()`` seconds.
+
+    A dataclass: its ``__init__`` is generated, with nothing of ours to run
+    per request; equality stays identity and repr the default (no arrays printed).
     """
 
-    __slots__ = (
-        "arrival",
-        "batch_size",
-        "client_id",
-        "compute_ns",
-        "deadline",
-        "dispatched",
-        "future",
-        "inputs",
-        "parameters",
-        "predicted",
-        "queued",
-        "seq",
-        "shape_key",
-    )
-
-    def __init__(
-        self,
-        inputs: dict[str, np.ndarray],
-        batch_size: int,
-        shape_key: tuple[Any, ...],
-        arrival: float,
-        deadline: float,
-        future: asyncio.Future[dict[str, np.ndarray]],
-        client_id: str | None = None,
-        parameters: dict[str, Any] | None = None,
-    ) -> None:
-        self.seq = next(_ids)  # server-side id: log lines and FIFO tie-break
-        self.client_id = client_id
-        self.inputs = inputs
-        self.batch_size = batch_size
-        self.shape_key = shape_key
-        self.arrival = arrival
-        self.deadline = deadline
-        self.future = future
-        self.parameters = parameters
-        self.queued = False  # True while it sits in a batcher's queue
-        self.dispatched = 0.0  # when its batch went to an executor (0: not yet)
-        self.compute_ns = 0  # its batch's time in the engine, once answered
-        self.predicted = 0.0  # when admission expected it done (0: nothing measured yet)
+    inputs: dict[str, np.ndarray]
+    batch_size: int
+    shape_key: tuple[Any, ...]
+    arrival: float
+    deadline: float
+    future: asyncio.Future[dict[str, np.ndarray]]
+    client_id: str | None = None
+    parameters: dict[str, Any] | None = None
+    # server-side id: log lines and FIFO tie-break
+    seq: int = field(init=False, default_factory=_ids.__next__)
+    queued: bool = field(init=False, default=False)  # True while it sits in a batcher's queue
+    # when its batch went to an executor (0: not yet)
+    dispatched: float = field(init=False, default=0.0)
+    compute_ns: int = field(init=False, default=0)  # its batch's time in the engine, once answered
+    # when admission expected it done (0: nothing measured yet)
+    predicted: float = field(init=False, default=0.0)
 
     def __lt__(self, other: InferenceRequest) -> bool:
         # Heap order: earliest deadline first, then first come.

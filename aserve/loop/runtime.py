@@ -27,12 +27,12 @@ from aserve.frontends.auth import ApiKeys, load_api_keys
 from aserve.frontends.grpc.server import GrpcFrontend
 from aserve.frontends.http.app import CUT_OFF_S, HttpFrontend
 from aserve.loop.fd_limit import raise_open_file_limit
-from aserve.loop.generation import GenerationRuntime
 from aserve.loop.limits import Admission
 from aserve.loop.registration import Registration
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
-from aserve.loop.runtimes import create_runtime
+from aserve.loop.runtimes.factory import create_runtime
+from aserve.loop.runtimes.generation import GenerationRuntime
 from aserve.metrics import Metrics
 
 log = logging.getLogger("aserve.server")

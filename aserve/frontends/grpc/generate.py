@@ -36,14 +36,13 @@ from aserve.frontends.common import (
 )
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
-from aserve.loop.generation import (
+from aserve.loop.runtimes.generation import (
     TEXT_OUTPUT,
     GenerationRuntime,
     generation_runtime,
     text_input,
     text_tensor,
 )
-from aserve.loop.prompt_size import check_prompt_size
 from aserve.metrics import OK
 from aserve.types.generation import BadSetting, Delta, SamplingParams, sampling_settings
 

@@ -26,8 +26,8 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from aserve._proto import POOL
 
 if TYPE_CHECKING:
-    from aserve.loop.model import ModelRuntime
     from aserve.loop.registry import ModelRegistry
+    from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
 SERVING = health_pb2.HealthCheckResponse.SERVING

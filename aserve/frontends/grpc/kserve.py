@@ -41,12 +41,12 @@ from aserve.frontends.grpc.generate import answer_decoupled
 from aserve.frontends.model_config import triton_config_message
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
-from aserve.loop.generation import GenerationRuntime
+from aserve.loop.runtimes.generation import GenerationRuntime
 
 if TYPE_CHECKING:
     from aserve.context import FrontendContext
     from aserve.frontends.grpc.calls import InFlight
-    from aserve.loop.model import ModelRuntime
+    from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
 EXTENSIONS: Final = ["parameters", "statistics", "model_configuration"]
 # Requests one stream may have in flight (read, not yet answered). Past it the

@@ -57,7 +57,7 @@ from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES
 
 if TYPE_CHECKING:
     from aserve.context import FrontendContext
-    from aserve.loop.model import ModelRuntime
+    from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
 log = logging.getLogger("aserve.http")
 

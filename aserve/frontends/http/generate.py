@@ -31,8 +31,8 @@ from aserve.errors import AserveError, ErrorCode, InvalidArgument
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
 from aserve.frontends.http.kit import RUNTIME_KEY, STATUS_KEY, RouteKit, error_response
 from aserve.frontends.http.stream import json_stream
-from aserve.loop.generation import generation_runtime
 from aserve.loop.prompt_size import body_limit
+from aserve.loop.runtimes.generation import generation_runtime
 
 if TYPE_CHECKING:
     from aserve.context import FrontendContext

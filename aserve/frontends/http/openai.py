@@ -46,12 +46,12 @@ from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
 from aserve.frontends.http.kit import RUNTIME_KEY, STATUS_KEY, RouteKit, json_response
 from aserve.frontends.http.stream import DONE, json_stream
 from aserve.frontends.status import HTTP_STATUS
-from aserve.loop.generation import (
+from aserve.loop.prompt_size import check_prompt_size
+from aserve.loop.runtimes.generation import (
     GenerationRuntime,
     generation_body_limit,
     generation_runtime,
 )
-from aserve.loop.prompt_size import check_prompt_size
 from aserve.types.generation import (
     SAMPLING_KEYS,
     BadSetting,

@@ -46,11 +46,11 @@ from aserve.engines.python_handler import Part
 from aserve.errors import AserveError, InvalidArgument, TooLarge
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline
 from aserve.frontends.http.kit import RUNTIME_KEY, RouteKit, error_response
-from aserve.loop.handler_model import HandlerRuntime
+from aserve.loop.runtimes.handler import HandlerRuntime
 
 if TYPE_CHECKING:
     from aserve.context import FrontendContext
-    from aserve.loop.model import ModelRuntime
+    from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
 MAX_PARTS = 128  # parts of one multipart/form-data body
 MAX_PREAMBLE_BYTES = 1024  # before the first boundary (RFC 2046 allows some; nobody sends it)

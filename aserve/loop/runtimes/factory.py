@@ -1,30 +1,28 @@
-"""Which runtime class serves a model, by its engine."""
+"""Which runtime class serves a model, by its engine (layer: loop; runs on the loop)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from aserve.config import GpuConfig, ModelConfig
-from aserve.loop.model import ModelRuntime
 from aserve.loop.registry import ModelRegistry
+from aserve.loop.runtimes.base import Runtime
+from aserve.loop.runtimes.batched import ModelRuntime
+from aserve.loop.runtimes.generation import GenerationRuntime
+from aserve.loop.runtimes.handler import HandlerRuntime
+from aserve.loop.runtimes.pipeline import PipelineRuntime
 
 
 def create_runtime(
     config: ModelConfig, base_dir: Path, registry: ModelRegistry, gpu: GpuConfig | None = None
-) -> ModelRuntime:
+) -> Runtime:
     """A runtime for ``config``, not loaded yet (cheap: loads nothing). ``gpu``
     is the server's "gpu" block, which worker and step processes apply themselves."""
     base_dir = config.folder(base_dir)  # an archive's model resolves in its extracted folder
     if config.engine == "python":
-        from aserve.loop.handler_model import HandlerRuntime
-
         return HandlerRuntime(config, base_dir, gpu)
     if config.engine == "pipeline":
-        from aserve.loop.pipeline import PipelineRuntime
-
-        return PipelineRuntime(config, base_dir, registry)
+        return PipelineRuntime(config, base_dir, registry, gpu)
     if config.engine == "decoder":
-        from aserve.loop.generation import GenerationRuntime
-
-        return GenerationRuntime(config, base_dir, gpu)  # type: ignore[return-value]
+        return GenerationRuntime(config, base_dir, gpu)
     return ModelRuntime(config, base_dir, gpu)

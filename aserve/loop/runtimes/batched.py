@@ -1,28 +1,36 @@
-"""One served model version: engine, executor threads, batcher and statistics.
+"""One served model version behind a deadline batcher: engine, executor, batcher, statistics.
 
-Loading, warming and unloading run the blocking parts off the loop; requests
-enter through :meth:`ModelRuntime.submit` on the loop.
+Layer: loop. Runs on the event loop: loading, warming and unloading send the
+blocking parts to threads; requests enter through :meth:`ModelRuntime.infer`.
+The engine runs on the executor's threads or in its worker processes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from aserve.config import GpuConfig, ModelConfig
+from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines import builtin, create_engine
 from aserve.engines.base import Engine
 from aserve.errors import Unavailable
 from aserve.logs import CURRENT
 from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
-from aserve.stats import ModelStats
+from aserve.loop.runtimes.base import (
+    ModelState,
+    Runtime,
+    batching_reconfigurable,
+    instance_group,
+    not_ready,
+    string_parameters,
+)
 from aserve.types.tensors import numpy_dtype
 from aserve.workers.batch_process import ProcessPool, WorkerSpec
 from aserve.workers.job import BatchJob
@@ -44,39 +52,32 @@ BACKENDS = {
     "onnx": "onnxruntime",
     "tensorrt": "tensorrt",
 }
-DRAIN_POLL_S = 0.02
 
 
-class ModelState(enum.Enum):
-    LOADING = "LOADING"
-    READY = "READY"
-    UNLOADING = "UNLOADING"
-    UNAVAILABLE = "UNAVAILABLE"
+class ModelRuntime(Runtime):
+    """An engine behind a :class:`Batcher`; its request path runs on the loop.
 
+    ``engine`` makes the engine from the weights' path (None for a handler
+    without one); by default the one the config's engine names.
+    """
 
-class ModelRuntime:
-    def __init__(self, config: ModelConfig, base_dir: Path, gpu: GpuConfig | None = None) -> None:
-        self.config = config
-        self.gpu = gpu or GpuConfig()  # the server's "gpu" block, for worker processes
-        self.name = config.name
-        self.version = config.version
-        self.label = f"{config.name}/{config.version}"
-        self.state = ModelState.LOADING
-        self.stats = ModelStats(config.name, config.version)
-        self.input_specs = {s.name: s for s in config.inputs}
-        self.output_specs = {s.name: s for s in config.outputs}
+    def __init__(
+        self,
+        config: ModelConfig,
+        base_dir: Path,
+        gpu: GpuConfig | None = None,
+        engine: Callable[[Path | None], Engine] | None = None,
+    ) -> None:
+        super().__init__(config, base_dir, gpu)
         self.max_batch_size = config.batching.max_batch_size
-        self.default_timeout_s = config.batching.timeout_ms / 1000.0
-        # Only models with a variable dimension need per-request shape grouping.
-        self.variable_shapes = any(-1 in s.shape for s in config.inputs)
-        self._base_dir = base_dir
+        self._serve_specs_of(config)
+        self._make_engine = engine
         self._pool: ExecutorPool | ProcessPool | None = None
         self.batcher: Batcher | None = None
-
-    @property
-    def ready(self) -> bool:
-        """READY, and at least one instance can serve (DESIGN: "Running many of it")."""
-        return self.not_ready_reason() is None
+        # Requests a stage before this one holds, that will be queued here once
+        # through it (a handler model's in preprocessing): admission counts them.
+        self._reserved_requests = 0
+        self._reserved_items = 0
 
     def not_ready_reason(self) -> str | None:
         """Why the model cannot take requests now, or None when it can.
@@ -84,8 +85,9 @@ class ModelRuntime:
         An instance being restarted does not count while another one serves:
         the batcher routes around it.
         """
+        # Spelled out rather than through the base's state_reason(): it runs per request.
         if self.state is not ModelState.READY:
-            return f"model '{self.label}' is not ready ({self.state.value})"
+            return not_ready(self.label, self.state.value)
         if self._pool is not None and self._pool.live == 0:
             kind = self.config.executor
             which = "its executor" if self.config.instances == 1 else "every executor"
@@ -108,6 +110,13 @@ class ModelRuntime:
     async def load(self) -> None:
         """Load, start the instances and warm up; the model is READY afterwards."""
         t0 = time.perf_counter()
+        path = await self.start()
+        await self.warm_up()
+        self.serving(path, t0)
+
+    async def start(self) -> Path | None:
+        """Load the engine and start the instances and the batcher (not READY yet:
+        warm up first); returns where the weights were."""
         path = await asyncio.to_thread(self.model_path)
         engine = self._create_engine(path)
         c = self.config
@@ -127,7 +136,11 @@ class ModelRuntime:
             await asyncio.to_thread(engine.unload)
             raise
         self.batcher = Batcher(self.label, self.config.batching, self._pool, self.stats)
-        await self._warm_up()
+        return path
+
+    def serving(self, path: Path | None, t0: float) -> None:
+        """Started and warmed up (since ``perf_counter()`` ``t0``): READY."""
+        assert self.batcher is not None
         self.state = ModelState.READY
         log.info(
             "model %s loaded from %s on %s (%d instance(s), %s executor, %.2fs); batch latency %s",
@@ -138,6 +151,8 @@ class ModelRuntime:
         )  # fmt: skip
 
     def _create_engine(self, path: Path | None) -> Engine:
+        if self._make_engine is not None:
+            return self._make_engine(path)
         assert path is not None  # the config requires a path for these engines
         return create_engine(self.config, path)
 
@@ -146,15 +161,15 @@ class ModelRuntime:
         its file). ``self.config`` stays the config as written."""
         self.input_specs = {s.name: s for s in served.inputs}
         self.output_specs = {s.name: s for s in served.outputs}
+        # Only models with a variable dimension need per-request shape grouping.
         self.variable_shapes = any(-1 in s.shape for s in served.inputs)
 
-    async def _warm_up(self) -> None:
+    async def warm_up(self) -> None:
         """Run each preferred batch size (and 1 and the max) on every instance.
 
         The first pass pays one-time costs (allocation, TorchScript profiling);
         the second pass seeds the batcher's latency estimates.
         """
-        assert self.batcher is not None
         b = self.config.batching
         sizes = sorted({1, *b.preferred_batch_sizes, b.max_batch_size})
         for measure in (False, True):
@@ -162,31 +177,28 @@ class ModelRuntime:
                 inputs = {
                     s.name: _dummy(s.datatype, s.shape, size) for s in self.input_specs.values()
                 }
-                jobs = await asyncio.gather(
-                    *(self._run_direct(inputs, size) for _ in range(self.config.instances))
+                await asyncio.gather(
+                    *(self.warm_batch(inputs, size, measure) for _ in range(self.config.instances))
                 )
-                for job in jobs:
-                    if job.error is not None:
-                        raise RuntimeError(f"warm-up with batch size {size} failed: {job.error}")
-                    if measure:
-                        self.batcher.latency.observe(size, job.tag[2])
 
-    async def _run_direct(self, inputs: dict[str, np.ndarray], size: int) -> BatchJob:
-        """Run one batch on an instance, bypassing the batcher (warm-up only).
-
-        The finished job's ``tag[2]`` is its run time in seconds.
-        """
-        assert self._pool is not None
+    async def warm_batch(
+        self, inputs: dict[str, np.ndarray], size: int, measure: bool, what: str = ""
+    ) -> dict[str, np.ndarray]:
+        """Run one batch on an instance, bypassing the queue (warm-up only); with
+        ``measure``, its run time seeds the batcher's latency estimates. A
+        failure raises RuntimeError, ``what`` failed (by default the batch size)."""
+        assert self._pool is not None and self.batcher is not None
         fut: asyncio.Future[BatchJob] = asyncio.get_running_loop().create_future()
         self._pool.submit(BatchJob([inputs], size, _settle_job, (fut, time.perf_counter())))
-        return await fut
+        job = await fut
+        if job.error is not None:
+            raise RuntimeError(f"{what or f'warm-up with batch size {size}'} failed: {job.error}")
+        if measure:
+            self.batcher.latency.observe(size, job.tag[2])
+        assert job.outputs is not None
+        return job.outputs
 
-    def submit(self, req: InferenceRequest) -> None:
-        reason = self.not_ready_reason()
-        if reason is not None:
-            raise Unavailable(reason)
-        assert self.batcher is not None
-        self.batcher.submit(req)
+    # --- requests -----------------------------------------------------------------
 
     async def infer(
         self,
@@ -209,12 +221,15 @@ class ModelRuntime:
             inputs, batch_size, shape_key, now, now + timeout_s,
             asyncio.get_running_loop().create_future(), client_id, parameters,
         )  # fmt: skip
-        self.submit(req)
+        reason = self.not_ready_reason()
+        if reason is not None:
+            raise Unavailable(reason)
+        assert self.batcher is not None
+        self.batcher.submit(req)
         try:
             return await req.future
         except asyncio.CancelledError:
-            if self.batcher is not None:
-                self.batcher.forget(req)
+            self.batcher.forget(req)
             raise
         finally:
             info = CURRENT.get()
@@ -222,95 +237,66 @@ class ModelRuntime:
                 info.queue_s = req.dispatched - req.arrival
                 info.compute_s = req.compute_ns / 1e9
 
+    def reserve(self, now: float, deadline: float, items: int, ready_at: float) -> Reservation:
+        """Admit, before a stage ahead of this runtime works on it, a request of
+        ``items`` that can join the queue at ``ready_at``: raise what :meth:`infer`
+        would refuse it with then, counting the requests reserved before.
+
+        Leave the returned reservation (a context manager) when the request
+        is queued or given up; its ``predicted`` is when the measured latencies
+        say it will be done (None while nothing is measured).
+        """
+        self.require_ready()
+        assert self.batcher is not None
+        predicted = self.batcher.check_admission(
+            now, deadline, items,
+            ahead_requests=self._reserved_requests, ahead_items=self._reserved_items,
+            ready_at=ready_at,
+        )  # fmt: skip
+        return Reservation(self, items, predicted)
+
+    def answered_late(self, now: float, budget_s: float, ratio: float | None) -> None:
+        """An answer from this runtime's batch reached its client late, or too near
+        its deadline, after a stage behind the batch: admission was too optimistic
+        (``ratio``: its real time over the predicted one, None when unknown)."""
+        if self.batcher is not None:
+            self.batcher.margin.missed(now, budget_s, ratio)
+
+    # --- state seen by others -----------------------------------------------------
+
     @property
     def busy(self) -> bool:
-        """Requests are queued, running, or (subclasses) in pre/post-processing."""
         return self.batcher is not None and not self.batcher.idle
 
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until nothing is queued or running (True), or ``timeout_s`` passed (False).
-
-        Used on a runtime that routing no longer reaches: nothing new arrives,
-        so polling only has to see the count fall to zero once.
-        """
-        deadline = time.monotonic() + timeout_s
-        while self.busy:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(DRAIN_POLL_S)
-        return True
+    reconfigurable = staticmethod(batching_reconfigurable)
 
     def reconfigure(self, config: ModelConfig) -> None:
-        """Apply a config that differs from the current one only in batching
-        settings that need no reload (all but ``max_batch_size``).
-
-        Queued requests keep their deadlines; new ones get the new settings.
-        """
-        assert config.key == self.config.key
-        assert config.batching.max_batch_size == self.config.batching.max_batch_size
-        self.config = config
-        self.default_timeout_s = config.batching.timeout_ms / 1000.0
+        super().reconfigure(config)
         if self.batcher is not None:
             self.batcher.reconfigure(config.batching)
 
-    @staticmethod
-    def reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
-        """Whether ``new`` can be applied to a runtime of ``old`` without a reload."""
-        if old.batching.max_batch_size != new.batching.max_batch_size:
-            return False
-        return old.model_copy(update={"batching": new.batching}) == new
-
     def metadata(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "versions": [self.version],
-            "platform": PLATFORMS[self.config.engine],
-            "inputs": [
-                _tensor_meta(s.name, s.datatype, s.shape) for s in self.input_specs.values()
-            ],
-            "outputs": [
-                _tensor_meta(s.name, s.datatype, s.shape) for s in self.output_specs.values()
-            ],
-        }
+        return tensor_metadata(self, PLATFORMS[self.config.engine])
 
     def triton_config(self) -> dict[str, Any]:
-        """The model's config in Triton's ModelConfig vocabulary (its JSON form).
-
-        Settings with no Triton field go in ``parameters`` as strings.
-        """
+        """Settings with no Triton field go in ``parameters`` as strings."""
         c, b = self.config, self.config.batching
-        group: dict[str, Any] = {"name": self.name, "count": c.instances}
-        if c.device == "cpu":
-            group["kind"] = "KIND_CPU"
-        else:
-            group["kind"] = "KIND_GPU"
-            group["gpus"] = [int(c.device.partition(":")[2] or 0)]
         return {
-            "name": self.name,
-            "platform": PLATFORMS[c.engine],
-            "backend": BACKENDS[c.engine],
-            "max_batch_size": b.max_batch_size,
-            "input": [
-                _config_tensor(s.name, s.datatype, s.shape) for s in self.input_specs.values()
-            ],
-            "output": [
-                _config_tensor(s.name, s.datatype, s.shape) for s in self.output_specs.values()
-            ],
+            **tensor_triton_config(self),
             "dynamic_batching": {
                 "preferred_batch_size": list(b.preferred_batch_sizes),
                 "max_queue_delay_microseconds": round(b.max_delay_ms * 1000),
             },
-            "instance_group": [group],
-            "parameters": {
-                k: {"string_value": str(v)}
-                for k, v in (
+            "instance_group": [instance_group(self.name, c.instances, c.device)],
+            "parameters": string_parameters(
+                (
                     ("version", self.version),
                     ("device", c.device),
                     ("cpu_threads", c.cpu_threads),
                     ("max_queue_size", b.max_queue_size),
                     ("timeout_ms", b.timeout_ms),
                 )
-            },
+            ),
         }
 
     def statistics(self) -> dict[str, Any]:
@@ -320,15 +306,57 @@ class ModelRuntime:
             doc["admission_margin"] = b.margin.factor  # an aserve extension, like "rejected"
         return doc
 
-    async def unload(self) -> None:
-        """Refuse new work, let running batches end, stop threads, free the model."""
-        self.state = ModelState.UNLOADING
+    async def _stop(self) -> None:
+        """Let running batches end, stop the instances, free the model."""
         if self.batcher is not None:
             self.batcher.close()
         if self._pool is not None:
             await self._pool.stop()
             await asyncio.to_thread(self._pool.engine.unload)
-        self.state = ModelState.UNAVAILABLE
+
+
+class Reservation:
+    """A request admitted to a :class:`ModelRuntime` before it is queued there."""
+
+    __slots__ = ("_items", "_runtime", "predicted")
+
+    def __init__(self, runtime: ModelRuntime, items: int, predicted: float | None) -> None:
+        self._runtime = runtime
+        self._items = items
+        self.predicted = predicted
+        runtime._reserved_requests += 1
+        runtime._reserved_items += items
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._runtime._reserved_requests -= 1
+        self._runtime._reserved_items -= self._items
+
+
+def tensor_metadata(runtime: Runtime, platform: str) -> dict[str, Any]:
+    """KServe's metadata of a model of tensors (every one but a decoder's)."""
+    return {
+        "name": runtime.name,
+        "versions": [runtime.version],
+        "platform": platform,
+        "inputs": [_tensor_meta(s) for s in runtime.input_specs.values()],
+        "outputs": [_tensor_meta(s) for s in runtime.output_specs.values()],
+    }
+
+
+def tensor_triton_config(runtime: Runtime) -> dict[str, Any]:
+    """The Triton ModelConfig fields every model of tensors has."""
+    engine = runtime.config.engine
+    return {
+        "name": runtime.name,
+        "platform": PLATFORMS[engine],
+        "backend": BACKENDS[engine],
+        "max_batch_size": runtime.config.batching.max_batch_size,
+        "input": [_config_tensor(s) for s in runtime.input_specs.values()],
+        "output": [_config_tensor(s) for s in runtime.output_specs.values()],
+    }
 
 
 def _settle_job(job: BatchJob) -> None:
@@ -338,15 +366,15 @@ def _settle_job(job: BatchJob) -> None:
         fut.set_result(job)
 
 
-def _tensor_meta(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
+def _tensor_meta(s: TensorSpec) -> dict[str, Any]:
     # Every model has a batch dimension, reported as variable.
-    return {"name": name, "datatype": datatype, "shape": [-1, *shape]}
+    return {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]}
 
 
-def _config_tensor(name: str, datatype: str, shape: list[int]) -> dict[str, Any]:
+def _config_tensor(s: TensorSpec) -> dict[str, Any]:
     # Triton spells BYTES as TYPE_STRING; dims exclude the batch dimension.
-    data_type = "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
-    return {"name": name, "data_type": data_type, "dims": list(shape)}
+    data_type = "TYPE_STRING" if s.datatype == "BYTES" else f"TYPE_{s.datatype}"
+    return {"name": s.name, "data_type": data_type, "dims": list(s.shape)}
 
 
 def _dummy(datatype: str, shape: list[int], batch: int) -> np.ndarray:

@@ -1,6 +1,6 @@
 """A pipeline model (``"engine": "pipeline"``): requests flow through other models.
 
-Runs on the loop. Each step looks its model up in the registry when the
+Layer: loop; runs on the event loop. Each step looks its model up in the registry when the
 request reaches it, so a reload that swaps a step's model is followed at
 once, and submits to that model's own batcher: a step is batched with every
 other request for that model, pipelined or not. Tensors pass from step to
@@ -22,7 +22,7 @@ import numpy as np
 import orjson
 
 from aserve.codecs.validate import check_batch
-from aserve.config import ModelConfig, PipelineStep
+from aserve.config import GpuConfig, ModelConfig, PipelineStep
 from aserve.engines.batching import check_outputs
 from aserve.errors import (
     DeadlineExceeded,
@@ -31,7 +31,13 @@ from aserve.errors import (
     NotFound,
     Unavailable,
 )
-from aserve.loop.model import ModelRuntime, ModelState
+from aserve.loop.runtimes.base import (
+    ModelState,
+    Runtime,
+    batching_reconfigurable,
+    string_parameters,
+)
+from aserve.loop.runtimes.batched import tensor_metadata, tensor_triton_config
 from aserve.types.tensors import dtype_fits, shape_fits, shape_text
 
 if TYPE_CHECKING:
@@ -40,9 +46,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("aserve.pipeline")
 
 
-class PipelineRuntime(ModelRuntime):
-    def __init__(self, config: ModelConfig, base_dir: Path, registry: ModelRegistry) -> None:
-        super().__init__(config, base_dir)
+class PipelineRuntime(Runtime):
+    """No engine, pool or batcher of its own: each step is another runtime's request."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        base_dir: Path,
+        registry: ModelRegistry,
+        gpu: GpuConfig | None = None,
+    ) -> None:
+        super().__init__(config, base_dir, gpu)
+        self.input_specs = {s.name: s for s in config.inputs}
+        self.output_specs = {s.name: s for s in config.outputs}
+        self.max_batch_size = config.batching.max_batch_size
+        self.variable_shapes = any(-1 in s.shape for s in config.inputs)
         self._registry = registry
         self.inflight = 0
 
@@ -56,7 +74,7 @@ class PipelineRuntime(ModelRuntime):
     def not_ready_reason(self) -> str | None:
         """Why the pipeline cannot take requests now: not loaded, or a step's model
         unloaded or not ready (its requests would all be refused at that step)."""
-        reason = super().not_ready_reason()
+        reason = self.state_reason()
         if reason is not None:
             return reason
         for index, step in enumerate(self.config.steps):
@@ -74,21 +92,36 @@ class PipelineRuntime(ModelRuntime):
     def busy(self) -> bool:
         return self.inflight > 0
 
-    def reconfigure(self, config: ModelConfig) -> None:
-        self.config = config
-        self.default_timeout_s = config.batching.timeout_ms / 1000.0
+    # Its batching block holds only its deadline (timeout_ms), which applies in place.
+    reconfigurable = staticmethod(batching_reconfigurable)
+
+    async def _stop(self) -> None:
+        pass  # nothing of its own: the steps' models unload by themselves
 
     def statistics(self) -> dict[str, Any]:
         return self.stats.as_dict(self.inflight, 0)
 
+    def metadata(self) -> dict[str, Any]:
+        return tensor_metadata(self, "ensemble")
+
     def triton_config(self) -> dict[str, Any]:
         # Triton describes ensembles in ``ensemble_scheduling``, which aserve's
         # ModelConfig message does not carry: the steps go in ``parameters``.
-        doc = super().triton_config()
-        steps = [s.model_dump(exclude_defaults=True) for s in self.config.steps]
-        doc["parameters"]["steps"] = {"string_value": orjson.dumps(steps).decode()}
-        del doc["dynamic_batching"], doc["instance_group"]
-        return doc
+        c, b = self.config, self.config.batching
+        steps = [s.model_dump(exclude_defaults=True) for s in c.steps]
+        return {
+            **tensor_triton_config(self),
+            "parameters": string_parameters(
+                (
+                    ("version", self.version),
+                    ("device", c.device),
+                    ("cpu_threads", c.cpu_threads),
+                    ("max_queue_size", b.max_queue_size),
+                    ("timeout_ms", b.timeout_ms),
+                    ("steps", orjson.dumps(steps).decode()),
+                )
+            ),
+        }
 
     async def infer(
         self,
@@ -100,9 +133,7 @@ class PipelineRuntime(ModelRuntime):
         parameters: dict[str, Any] | None = None,
     ) -> dict[str, np.ndarray]:
         """Run the steps in order; a failing step fails the request with its error."""
-        reason = self.not_ready_reason()
-        if reason is not None:
-            raise Unavailable(reason)
+        self.require_ready()
         self.inflight += 1
         start = time.monotonic()
         deadline = start + timeout_s

@@ -1,8 +1,10 @@
 """One served decoder model (``"engine": "decoder"``): engine, step thread, continuous batcher.
 
-The generative counterpart of :class:`aserve.loop.model.ModelRuntime`: the
-same registry, readiness, statistics and unload, but requests are sequences
-that stream tokens. A frontend turns its wire request into a prompt and
+Layer: loop; runs on the event loop (long prompts are tokenized in a worker
+thread, the steps run on the step thread or in the step process). A
+:class:`~aserve.loop.runtimes.base.Runtime` like the others (the same
+registry, readiness, statistics and unload), but requests are sequences that
+stream tokens. A frontend turns its wire request into a prompt and
 :class:`SamplingParams`, then
 
     seq = await runtime.prepare(prompt=..., params=...)   # tokenize, validate
@@ -33,9 +35,14 @@ from aserve.engines.decoder import DecoderEngine, Tokenizer
 from aserve.engines.decoder import Sequence as EngineSequence
 from aserve.errors import InvalidArgument, TooLarge, Unavailable
 from aserve.loop.continuous import ContinuousBatcher, GenerationRequest
-from aserve.loop.model import ModelState
 from aserve.loop.prompt_size import BODY_SLACK_BYTES, body_limit, check_prompt_size
-from aserve.stats import ModelStats
+from aserve.loop.runtimes.base import (
+    ModelState,
+    Runtime,
+    instance_group,
+    not_ready,
+    string_parameters,
+)
 from aserve.types.generation import SamplingParams
 from aserve.workers.step_executor import StepExecutor
 from aserve.workers.step_process import ProcessStepExecutor, WorkerArgs
@@ -49,24 +56,16 @@ PLATFORM = "aserve_decoder"
 BACKEND = "aserve_decoder"
 TEXT_INPUT = "text_input"
 TEXT_OUTPUT = "text_output"
-_DRAIN_POLL_S = 0.02
 # Longer prompts are tokenized (and chats rendered) in a worker thread, not on the loop.
 _INLINE_PROMPT_CHARS = 2048
 
 
-class GenerationRuntime:
+class GenerationRuntime(Runtime):
     """A decoder model version; its request path runs on the loop."""
 
     def __init__(self, config: ModelConfig, base_dir: Path, gpu: GpuConfig | None = None) -> None:
-        self.config = config
-        self.gpu = gpu or GpuConfig()  # the server's "gpu" block, for the step process
-        self.name = config.name
-        self.version = config.version
-        self.label = f"{config.name}/{config.version}"
-        self.state = ModelState.LOADING
-        self.stats = ModelStats(config.name, config.version)
+        super().__init__(config, base_dir, gpu)
         self.generation = config.generation
-        self.default_timeout_s = config.generation.timeout_ms / 1000.0
         self.created = int(time.time())
         # What the KServe codecs see: one string in, one string out, no batching
         # (the shape of text_input is [1], as Triton's LLM backends declare it).
@@ -74,19 +73,22 @@ class GenerationRuntime:
         self.output_specs = {TEXT_OUTPUT: TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=[])}
         self.max_batch_size = 1
         self.variable_shapes = False
-        self._base_dir = base_dir
         self._engine: DecoderEngine | None = None
         self._executor: StepExecutor | ProcessStepExecutor | None = None
         self.batcher: ContinuousBatcher | None = None
         self._preparing = 0  # requests tokenizing in a worker thread
 
-    @property
-    def ready(self) -> bool:
-        """Loaded, and its step process (if it has one) is up, not being restarted."""
+    @staticmethod
+    def timeout_of(config: ModelConfig) -> float:
+        return config.generation.timeout_ms / 1000.0
+
+    def not_ready_reason(self) -> str | None:
+        """Not loaded, or its step process (if it has one) is down, being restarted."""
+        reason = self.state_reason()
         executor = self._executor
-        if executor is not None and executor.live == 0:
-            return False
-        return self.state is ModelState.READY
+        if reason is None and executor is not None and executor.live == 0:
+            return not_ready(self.label, "restarting")
+        return reason
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -160,8 +162,10 @@ class GenerationRuntime:
         long ones in a worker thread, tokenized with the GIL given up, so that
         the loop is not held up.
         """
+        # The state alone: a request waits out a step process's restart. (Spelled
+        # out rather than through the base's state_reason(): it runs per request.)
         if self._engine is None or self.state is not ModelState.READY:
-            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+            raise Unavailable(not_ready(self.label, self.state.value))
         check_prompt_size(self.generation, prompt, messages)
         size = (
             len(prompt)
@@ -208,7 +212,7 @@ class GenerationRuntime:
         model reports not ready, but a request still queues for the new one,
         bounded by its deadline and the queue's size."""
         if self.state is not ModelState.READY or self.batcher is None:
-            raise Unavailable(f"model '{self.label}' is not ready ({self.state.value})")
+            raise Unavailable(not_ready(self.label, self.state.value))
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if self._executor is not None:
             self._executor.check(sequence)
@@ -237,22 +241,6 @@ class GenerationRuntime:
     def busy(self) -> bool:
         return self._preparing > 0 or (self.batcher is not None and not self.batcher.idle)
 
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no sequence is waiting or running (True), or ``timeout_s`` passed."""
-        deadline = time.monotonic() + timeout_s
-        while self.busy:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(_DRAIN_POLL_S)
-        return True
-
-    def not_ready_reason(self) -> str | None:
-        """Why the model cannot take requests now, or None (as ModelRuntime's)."""
-        if self.ready:
-            return None
-        why = self.state.value if self.state is not ModelState.READY else "restarting"
-        return f"model '{self.label}' is not ready ({why})"
-
     @staticmethod
     def reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
         """A decoder model takes no settings in place: any change reloads it."""
@@ -270,12 +258,6 @@ class GenerationRuntime:
     def triton_config(self) -> dict[str, Any]:
         """Triton's ModelConfig of an LLM backend: no batch dimension, decoupled."""
         c, g = self.config, self.config.generation
-        group: dict[str, Any] = {"name": self.name, "count": 1}
-        if c.device == "cpu":
-            group["kind"] = "KIND_CPU"
-        else:
-            group["kind"] = "KIND_GPU"
-            group["gpus"] = [int(c.device.partition(":")[2] or 0)]
         settings = {
             "version": self.version,
             "device": c.device,
@@ -290,9 +272,9 @@ class GenerationRuntime:
             "max_batch_size": 0,
             "input": [{"name": TEXT_INPUT, "data_type": "TYPE_STRING", "dims": [1]}],
             "output": [{"name": TEXT_OUTPUT, "data_type": "TYPE_STRING", "dims": [1]}],
-            "instance_group": [group],
+            "instance_group": [instance_group(self.name, 1, c.device)],
             "model_transaction_policy": {"decoupled": True},
-            "parameters": {k: {"string_value": str(v)} for k, v in settings.items()},
+            "parameters": string_parameters(settings.items()),
         }
 
     def statistics(self) -> dict[str, Any]:
@@ -304,16 +286,14 @@ class GenerationRuntime:
             doc["generation"] = b.statistics()
         return doc
 
-    async def unload(self) -> None:
-        """Refuse new work, end what is queued or running, stop the thread, free the model."""
-        self.state = ModelState.UNLOADING
+    async def _stop(self) -> None:
+        """End what is queued or running, stop the step thread or process, free the model."""
         if self.batcher is not None:
             self.batcher.close()
         if self._executor is not None:
             await self._executor.stop()
         if self._engine is not None:
             await asyncio.to_thread(self._engine.unload)
-        self.state = ModelState.UNAVAILABLE
 
 
 def generation_runtime(

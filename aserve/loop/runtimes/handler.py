@@ -1,6 +1,9 @@
 """A model served by a user's Python handler (``"engine": "python"``).
 
-Runs on the loop. A request goes: ``preprocess`` in one of the model's
+Layer: loop; runs on the event loop. The handler's stages run in the model's
+own handler threads (what runs there is :mod:`.handler_threads`), its
+``infer`` on the executor threads or worker processes of the batched runtime
+that the stages are composed around. A request goes: ``preprocess`` in one of the model's
 handler threads -> the model's batcher, which stacks it with others ->
 ``infer`` on an executor thread -> ``postprocess`` in a handler thread. Only
 the batched middle is shared between requests, so an exception in
@@ -30,27 +33,35 @@ from aserve.engines.python_handler import (
     HandlerRequest,
     Part,
     PythonHandlerEngine,
-    raw_answer,
 )
 from aserve.errors import (
     AserveError,
     DeadlineExceeded,
     InternalError,
     InvalidArgument,
-    Unavailable,
 )
 from aserve.handler_metrics import MetricSet
-from aserve.loop.model import ModelRuntime
+from aserve.loop.runtimes.base import ModelState, Runtime, batching_reconfigurable
+from aserve.loop.runtimes.batched import ModelRuntime
+from aserve.loop.runtimes.handler_threads import Spread, TimedStage, raw_post_threadsafe
 from aserve.types.tensors import numpy_dtype, shape_fits, shape_text
 
 # The last part of a request's time budget that its answer needs to reach the client.
 ANSWER_SLACK = 0.05
 
 
-class HandlerRuntime(ModelRuntime):
+class HandlerRuntime(Runtime):
+    """Pre- and postprocessing stages around a batched runtime that runs ``infer``."""
+
     def __init__(self, config: ModelConfig, base_dir: Path, gpu: GpuConfig | None = None) -> None:
         super().__init__(config, base_dir, gpu)
         self._engine: PythonHandlerEngine | None = None
+        # The batched middle: the handler's infer() behind the model's batcher. Its
+        # statistics are the model's (a request counts once, in its batch).
+        self._batched = ModelRuntime(config, base_dir, gpu, engine=self._create_engine)
+        self.stats = self._batched.stats
+        self.max_batch_size = config.batching.max_batch_size
+        self._serve_specs()
         # Pre- and post-processing are per request and may be slow (decoding an
         # image): a few threads of the model's own keep them off the loop
         # without competing with other models' work in the default executor.
@@ -60,18 +71,58 @@ class HandlerRuntime(ModelRuntime):
         self.inflight = 0  # requests between entering infer() and their answer
         self._workers = max(2, 2 * config.instances)
         # Requests waiting for or in preprocessing (not in the batcher's queue
-        # yet), their items, and the measured time one preprocess takes.
+        # yet), and the time one preprocess takes (measured on the handler threads).
         self._preprocessing = 0
-        self._preprocessing_items = 0
-        self._preprocess_time = _Spread()
+        self._preprocess_stage = TimedStage()
         # Batch answered -> postprocess done (thread wait included): the time a batch
         # must leave, as a high estimate (mean + 2 deviations), since a request whose
-        # postprocess runs long is as late as one whose batch did.
-        self._tail = _Spread()
+        # postprocess runs long is as late as one whose batch did. Written on the loop.
+        self._tail = Spread()
 
     def _create_engine(self, path: Path | None) -> Engine:
         self._engine = PythonHandlerEngine(self.config, path, self._base_dir)
         return self._engine
+
+    def _serve_specs(self) -> None:
+        """Check requests against the tensors the batched runtime serves."""
+        b = self._batched
+        self.input_specs, self.output_specs = b.input_specs, b.output_specs
+        self.variable_shapes = b.variable_shapes
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self._batched.worker_pids
+
+    def not_ready_reason(self) -> str | None:
+        return self.state_reason() or self._batched.not_ready_reason()
+
+    async def load(self) -> None:
+        """Start the batched runtime, warm up through every stage; READY afterwards."""
+        t0 = time.perf_counter()
+        path = await self._batched.start()
+        self._serve_specs()  # as the handler's engine settled them
+        await self._warm_up()
+        self._batched.serving(path, t0)
+        self.state = ModelState.READY
+
+    async def _stop(self) -> None:
+        await self._batched.unload()
+        await asyncio.to_thread(self._threads.shutdown)
+
+    reconfigurable = staticmethod(batching_reconfigurable)
+
+    def reconfigure(self, config: ModelConfig) -> None:
+        super().reconfigure(config)
+        self._batched.reconfigure(config)
+
+    def metadata(self) -> dict[str, Any]:
+        return self._batched.metadata()
+
+    def triton_config(self) -> dict[str, Any]:
+        return self._batched.triton_config()
+
+    def statistics(self) -> dict[str, Any]:
+        return self._batched.statistics()
 
     @property
     def handler_metrics(self) -> MetricSet | None:
@@ -80,7 +131,7 @@ class HandlerRuntime(ModelRuntime):
 
     @property
     def busy(self) -> bool:
-        return self.inflight > 0 or super().busy
+        return self.inflight > 0 or self._batched.busy
 
     async def _warm_up(self) -> None:
         """Run the handler's ``warmup_request()`` through every stage, if it has one.
@@ -88,7 +139,7 @@ class HandlerRuntime(ModelRuntime):
         Without it there is nothing meaningful to feed a user's code, so the
         model starts cold and the batcher learns its latencies from traffic.
         """
-        assert self._engine is not None and self.batcher is not None
+        assert self._engine is not None
         example = getattr(self._engine.handler, "warmup_request", None)
         if not callable(example):
             return
@@ -102,18 +153,13 @@ class HandlerRuntime(ModelRuntime):
             )
 
     async def _warm_one(self, inputs: dict[str, Any], batch: int, measure: bool) -> None:
-        assert self._engine is not None and self.batcher is not None
+        assert self._engine is not None
         request = HandlerRequest(inputs, batch, {}, None)
         arrays = await self._in_threads(self._engine.handler.preprocess, "preprocess", request)
         size, _ = self._batch_of(arrays)
-        job = await self._run_direct(arrays, size)
-        if job.error is not None:
-            raise RuntimeError(f"warm-up: infer failed: {job.error}")
-        if measure:
-            self.batcher.latency.observe(size, job.tag[2])
-        assert job.outputs is not None
+        outputs = await self._batched.warm_batch(arrays, size, measure, "warm-up: infer")
         response = await self._in_threads(
-            self._engine.handler.postprocess, "postprocess", job.outputs, request
+            self._engine.handler.postprocess, "postprocess", outputs, request
         )
         self._response(response, batch)
 
@@ -184,9 +230,8 @@ class HandlerRuntime(ModelRuntime):
         # reload waits for this request too.
         self.inflight += 1
         try:
-            reason = self.not_ready_reason()
-            if reason is not None or self._engine is None:
-                raise Unavailable(reason or f"model '{self.label}' is not ready")
+            self.require_ready()
+            assert self._engine is not None
             now = time.monotonic()
             deadline = now + timeout_s
             handler = self._engine.handler
@@ -199,19 +244,21 @@ class HandlerRuntime(ModelRuntime):
                 )
             # The batch must end early enough for postprocessing to finish in time too.
             batch_left = max(left - self._tail.high, left / 2)
-            outputs = await super().infer(
+            outputs = await self._batched.infer(
                 arrays, size, key, batch_left, request.id, request.parameters
             )
             t0 = time.monotonic()
             fn = getattr(handler, post)
             if raw:
-                response = await self._in_threads(_raw_post, post, fn, post, outputs, request)
+                response = await self._in_threads(
+                    raw_post_threadsafe, post, fn, post, outputs, request
+                )
             else:
                 response = await self._in_threads(fn, post, outputs, request)
             done = time.monotonic()
             self._tail.add(done - t0)
             slack = ANSWER_SLACK * timeout_s
-            if done > deadline - slack and self.batcher is not None:
+            if done > deadline - slack:
                 # Answered too late for the client, or so close to its deadline that
                 # encoding and sending the answer (behind whatever else the loop has
                 # to do) may well make it late: admission was too optimistic, by as
@@ -219,7 +266,7 @@ class HandlerRuntime(ModelRuntime):
                 ratio = None
                 if predicted is not None and predicted + self._tail.high > now:
                     ratio = (done + slack - now) / (predicted + self._tail.high - now)
-                self.batcher.margin.missed(done, timeout_s, ratio)
+                self._batched.answered_late(done, timeout_s, ratio)
             return response
         finally:
             self.inflight -= 1
@@ -238,45 +285,36 @@ class HandlerRuntime(ModelRuntime):
         reach after the preprocessing backlog) is refused before, and one whose
         deadline passes while it waits for a thread is dropped from that queue.
         """
-        assert self.batcher is not None and self._engine is not None
-        backlog_s = (self._preprocessing // self._workers + 1) * self._preprocess_time.mean
-        predicted = self.batcher.check_admission(
+        assert self._engine is not None
+        backlog_s = (self._preprocessing // self._workers + 1) * self._preprocess_stage.time.mean
+        reservation = self._batched.reserve(
             now,
             # The batch must leave postprocessing its time, but never more than half
             # of the budget (as infer() gives the batcher): a tail estimate that a storm
             # blew up must not refuse every request, and so never be corrected.
             deadline - min(self._tail.high, (deadline - now) / 2),
             request.batch_size,
-            ahead_requests=self._preprocessing,
-            ahead_items=self._preprocessing_items,
             ready_at=now + backlog_s,
         )
         self._preprocessing += 1
-        self._preprocessing_items += request.batch_size
         try:
-            arrays = await asyncio.wait_for(
-                self._in_threads(self._timed_preprocess, method, method, request),
-                deadline - now,
-            )
-            return arrays, predicted
+            with reservation:
+                arrays = await asyncio.wait_for(
+                    self._in_threads(
+                        self._preprocess_stage.call_threadsafe,
+                        method,
+                        getattr(self._engine.handler, method),
+                        request,
+                    ),
+                    deadline - now,
+                )
+            return arrays, reservation.predicted
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
                 f"request deadline passed waiting for preprocessing on '{self.label}'"
             ) from None
         finally:
             self._preprocessing -= 1
-            self._preprocessing_items -= request.batch_size
-
-    def _timed_preprocess(self, method: str, request: HandlerRequest) -> Any:
-        """In a handler thread: preprocess, and learn how long it takes (a moving average)."""
-        assert self._engine is not None
-        t0 = time.perf_counter()
-        result = getattr(self._engine.handler, method)(request)
-        took = time.perf_counter() - t0
-        # Handler threads may add at once: an estimate off by one sample is harmless,
-        # and each float store is atomic under the GIL; the loop only reads it.
-        self._preprocess_time.add(took)
-        return result
 
     async def _in_threads(self, fn: Callable[..., Any], stage: str, *args: Any) -> Any:
         """Run user code in the handler threads; its exception becomes this request's error."""
@@ -327,15 +365,6 @@ class HandlerRuntime(ModelRuntime):
             out[spec.name] = _as_output(self.label, spec, response[spec.name], batch_size)
         return out
 
-    async def unload(self) -> None:
-        await super().unload()
-        await asyncio.to_thread(self._threads.shutdown)
-
-
-def _raw_post(fn: Callable[..., Any], name: str, outputs: Any, request: HandlerRequest) -> Any:
-    """In a handler thread: a raw request's postprocess, encoded as its answer."""
-    return raw_answer(fn(outputs, request), name)
-
 
 def _batch_size(arrays: Any, stage: str, label: str = "") -> int:
     if not isinstance(arrays, dict) or not arrays:
@@ -384,25 +413,3 @@ def _as_output(label: str, spec: TensorSpec, value: Any, batch_size: int) -> np.
             f"{shape_text(spec.shape, batch_size)}"
         )
     return arr
-
-
-class _Spread:
-    """A stage's timing: a moving mean and mean deviation (the first sample, then
-    20% of each new one)."""
-
-    __slots__ = ("dev", "mean")
-
-    def __init__(self) -> None:
-        self.mean = 0.0
-        self.dev = 0.0
-
-    def add(self, sample: float) -> None:
-        if self.mean == 0.0:
-            self.mean = sample
-            return
-        self.dev += 0.2 * (abs(sample - self.mean) - self.dev)
-        self.mean += 0.2 * (sample - self.mean)
-
-    @property
-    def high(self) -> float:
-        return self.mean + 2.0 * self.dev

@@ -1,0 +1,213 @@
+"""The one contract of a model runtime, and what every runtime shares.
+
+Layer: loop. Everything here runs on the event loop; what blocks (reading
+weights, stopping threads) a runtime sends to a thread itself.
+
+A runtime serves one model version. The registry routes to it, the reloader
+loads, reconfigures, drains and unloads it, and the frontends ask it for its
+metadata, readiness and statistics and hand it requests, all through
+:class:`Runtime` alone. The classes that keep it:
+
+- :class:`~aserve.loop.runtimes.batched.ModelRuntime`: an engine on executor
+  threads or worker processes behind a deadline batcher;
+- :class:`~aserve.loop.runtimes.handler.HandlerRuntime`: a user's handler, its
+  pre- and postprocessing stages composed around a batched runtime;
+- :class:`~aserve.loop.runtimes.pipeline.PipelineRuntime`: other models in turn;
+- :class:`~aserve.loop.runtimes.generation.GenerationRuntime`: a decoder model
+  that streams tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aserve.config import GpuConfig, ModelConfig, TensorSpec
+from aserve.errors import Unavailable
+from aserve.stats import ModelStats
+
+# How often a drain looks whether a runtime that routing no longer reaches is idle.
+DRAIN_POLL_S = 0.02
+
+
+class ModelState(enum.Enum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+def not_ready(label: str, why: str) -> str:
+    """The wording of a runtime that cannot take requests now (a 503 / UNAVAILABLE)."""
+    return f"model '{label}' is not ready ({why})"
+
+
+class Runtime(abc.ABC):
+    """One served model version: the contract, and the members every runtime shares.
+
+    ``input_specs``, ``output_specs``, ``max_batch_size`` and ``variable_shapes``
+    are what the KServe codecs check a request against before :meth:`infer`.
+    """
+
+    input_specs: dict[str, TensorSpec]
+    output_specs: dict[str, TensorSpec]
+    max_batch_size: int
+    variable_shapes: bool
+
+    def __init__(self, config: ModelConfig, base_dir: Path, gpu: GpuConfig | None = None) -> None:
+        self.config = config
+        self.gpu = gpu or GpuConfig()  # the server's "gpu" block, for child processes
+        self.name = config.name
+        self.version = config.version
+        self.label = f"{config.name}/{config.version}"
+        self.state = ModelState.LOADING
+        self.stats = ModelStats(config.name, config.version)
+        self.default_timeout_s = self.timeout_of(config)
+        self._base_dir = base_dir
+
+    @staticmethod
+    def timeout_of(config: ModelConfig) -> float:
+        """The deadline, in seconds, of a request that sets none."""
+        return config.batching.timeout_ms / 1000.0
+
+    # --- readiness --------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether it takes requests now (DESIGN: "Running many of it")."""
+        return self.not_ready_reason() is None
+
+    def state_reason(self) -> str | None:
+        """Why it cannot take requests by its state alone (not loaded, unloading)."""
+        if self.state is not ModelState.READY:
+            return not_ready(self.label, self.state.value)
+        return None
+
+    def not_ready_reason(self) -> str | None:
+        """Why it cannot take requests now, or None when it can; subclasses add
+        what else can stop them (every instance restarting, a step gone)."""
+        return self.state_reason()
+
+    def require_ready(self) -> None:
+        """Raise Unavailable, saying why, unless it takes requests now."""
+        reason = self.not_ready_reason()
+        if reason is not None:
+            raise Unavailable(reason)
+
+    # --- draining ---------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def busy(self) -> bool:
+        """Requests are queued, running, or in a stage before or after the queue."""
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or running (True), or ``timeout_s`` passed (False).
+
+        Used on a runtime that routing no longer reaches: nothing new arrives,
+        so polling only has to see the count fall to zero once.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.busy:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The model's child processes (none unless it runs in some)."""
+        return []
+
+    # --- lifecycle --------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def load(self) -> None:
+        """Load and warm up; READY afterwards, or raise (then :meth:`unload` it)."""
+
+    async def unload(self) -> None:
+        """Refuse new work, end what is queued or running, free the model."""
+        self.state = ModelState.UNLOADING
+        await self._stop()
+        self.state = ModelState.UNAVAILABLE
+
+    @abc.abstractmethod
+    async def _stop(self) -> None:
+        """What :meth:`unload` stops and frees, in order (a part never started is skipped)."""
+
+    @staticmethod
+    def reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
+        """Whether ``new`` can be applied to a runtime of ``old`` in place, without
+        a new runtime (the reloader asks the runtime's own class). Here: nothing."""
+        return old == new
+
+    def reconfigure(self, config: ModelConfig) -> None:
+        """Apply a config that :meth:`reconfigurable` allows in place.
+
+        Queued requests keep their deadlines; new ones get the new settings.
+        """
+        assert config.key == self.config.key
+        assert type(self).reconfigurable(self.config, config)
+        self.config = config
+        self.default_timeout_s = self.timeout_of(config)
+
+    # --- requests and what is reported ------------------------------------------
+
+    @abc.abstractmethod
+    async def infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        batch_size: int,
+        shape_key: tuple[Any, ...],
+        timeout_s: float,
+        client_id: str | None = None,
+        parameters: dict[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """One validated KServe request: its outputs, or its error raised.
+
+        Refusals (queue full, deadline unmeetable, not ready) raise at once;
+        cancelling the awaiting task withdraws the request.
+        """
+
+    @abc.abstractmethod
+    def metadata(self) -> dict[str, Any]:
+        """KServe's model metadata."""
+
+    @abc.abstractmethod
+    def triton_config(self) -> dict[str, Any]:
+        """The model's config in Triton's ModelConfig vocabulary (its JSON form)."""
+
+    @abc.abstractmethod
+    def statistics(self) -> dict[str, Any]:
+        """Triton's model statistics (with aserve's own extensions)."""
+
+
+def batching_reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
+    """``new`` differs from ``old`` at most in batching settings that need no
+    reload (all but ``max_batch_size``): the rule of runtimes with a batcher."""
+    if old.batching.max_batch_size != new.batching.max_batch_size:
+        return False
+    return old.model_copy(update={"batching": new.batching}) == new
+
+
+def instance_group(name: str, count: int, device: str) -> dict[str, Any]:
+    """Triton's ``instance_group`` entry of ``count`` instances on ``device``."""
+    group: dict[str, Any] = {"name": name, "count": count}
+    if device == "cpu":
+        group["kind"] = "KIND_CPU"
+    else:
+        group["kind"] = "KIND_GPU"
+        group["gpus"] = [int(device.partition(":")[2] or 0)]
+    return group
+
+
+def string_parameters(settings: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """Settings with no Triton field, as Triton's ``parameters`` (strings)."""
+    return {k: {"string_value": str(v)} for k, v in settings}
