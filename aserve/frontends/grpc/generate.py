@@ -36,6 +36,7 @@ from aserve.frontends.common import (
 )
 from aserve.frontends.status import GRPC_STATUS
 from aserve.logs import track_grpc
+from aserve.loop.prompt_size import check_prompt_size
 from aserve.loop.runtimes.generation import (
     TEXT_OUTPUT,
     GenerationRuntime,
