@@ -26,10 +26,9 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aserve.config import GenerationConfig
-from aserve.engines.decoder import Sequence
 from aserve.errors import (
     AserveError,
     DeadlineExceeded,
@@ -45,6 +44,9 @@ from aserve.stats import ModelStats
 from aserve.streaming.channel import TokenChannel
 from aserve.types.generation import Delta, StepOutput
 from aserve.workers.job import Executor, StepJob
+
+if TYPE_CHECKING:
+    from aserve.engines.decoder import Sequence
 
 log = logging.getLogger("aserve.continuous")
 

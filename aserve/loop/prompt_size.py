@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aserve.config import GenerationConfig
-from aserve.engines.decoder.kv_cache import SequenceTooLong
 from aserve.errors import TooLarge
+from aserve.types.generation import SequenceTooLong
 
 MESSAGE_BYTES = 16
 # A generation request's JSON body may be this many times its model's prompt

@@ -17,6 +17,12 @@ from typing import Any, Literal
 
 from aserve.errors import InvalidArgument
 
+
+class SequenceTooLong(InvalidArgument):
+    """A sequence would not fit in ``max_model_len`` positions (a prompt's
+    token count is checked at the edge, before the engine sees it)."""
+
+
 FinishReason = Literal["stop", "length"]
 """"stop": an end token or stop string; "length": max_tokens or max_model_len reached."""
 

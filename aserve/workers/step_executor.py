@@ -19,11 +19,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aserve.engines.decoder import DecoderEngine, Sequence
 from aserve.workers.handoff import poster, settle_threadsafe
 from aserve.workers.job import StepJob
+
+if TYPE_CHECKING:
+    from aserve.engines.decoder import DecoderEngine, Sequence
 
 log = logging.getLogger("aserve.executor")
 

@@ -38,16 +38,18 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from aserve.engines.decoder import Sequence
 from aserve.errors import InvalidArgument
 from aserve.types.generation import StepOutput
 from aserve.workers.child import WorkerArgs, step_main
 from aserve.workers.job import StepJob
 from aserve.workers.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from aserve.engines.decoder import Sequence
 
 __all__ = ["ProcessStepExecutor", "StepProcessError", "WorkerArgs"]
 

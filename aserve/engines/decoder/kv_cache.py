@@ -12,16 +12,13 @@ import heapq
 
 import torch
 
-from aserve.errors import InvalidArgument, Unavailable
+from aserve.errors import Unavailable
+from aserve.types.generation import SequenceTooLong
 
 
 class CacheFull(Unavailable):
     """Every slot is taken. The scheduler should admit a sequence only while
     :attr:`KVCache.num_free` says there is room; seeing this is its bug."""
-
-
-class SequenceTooLong(InvalidArgument):
-    """A sequence would not fit in ``max_model_len`` positions."""
 
 
 class KVCache:

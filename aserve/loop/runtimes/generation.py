@@ -31,8 +31,6 @@ import numpy as np
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines import builtin
-from aserve.engines.decoder import DecoderEngine, Tokenizer
-from aserve.engines.decoder import Sequence as EngineSequence
 from aserve.errors import InvalidArgument, TooLarge, Unavailable
 from aserve.loop.continuous import ContinuousBatcher, GenerationRequest
 from aserve.loop.prompt_size import BODY_SLACK_BYTES, body_limit, check_prompt_size
@@ -48,6 +46,8 @@ from aserve.workers.step_executor import StepExecutor
 from aserve.workers.step_process import ProcessStepExecutor, WorkerArgs
 
 if TYPE_CHECKING:
+    from aserve.engines.decoder import DecoderEngine, Tokenizer
+    from aserve.engines.decoder import Sequence as EngineSequence
     from aserve.loop.registry import ModelRegistry
 
 log = logging.getLogger("aserve.model")
@@ -105,6 +105,10 @@ class GenerationRuntime(Runtime):
         c = self.config
         assert c.path is not None  # the config requires one for a decoder model
         path = await asyncio.to_thread(builtin.locate, c.path, self._base_dir)
+        # Here, not at the top: the decoder imports torch, and the frontends that
+        # route to this runtime must import without it (tests/test_torch_free.py).
+        from aserve.engines.decoder import DecoderEngine
+
         engine = DecoderEngine(path, c.generation, c.device, c.dtype, c.cpu_threads)
         executor: StepExecutor | ProcessStepExecutor
         if c.generation.step_process:
