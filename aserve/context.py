@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from aserve.config import ServerConfig
     from aserve.frontends.auth import ApiKeys
-    from aserve.loop.limits import Admission
+    from aserve.frontends.common import Admission
     from aserve.loop.registry import ModelRegistry
     from aserve.loop.reload import Reloader
     from aserve.metrics import Metrics

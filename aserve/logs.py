@@ -1,6 +1,6 @@
 """Log output: text or JSON lines, the access log, and request ids.
 
-Every answered request goes through :meth:`aserve.metrics.RequestMetrics.record`;
+Every answered request goes through :meth:`aserve.frontends.common.RequestMetrics.record`;
 with ``"logging": {"access_log": true}`` that also writes one line to the
 ``aserve.access`` logger: request id, protocol, model, version, status,
 duration, and where known the time queued and the time computing.
@@ -27,7 +27,6 @@ import orjson
 ACCESS = logging.getLogger("aserve.access")
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_KEY = "aserve_request_id"  # the id, on an aiohttp request (SSE sends headers early)
-_MAX_ID_LENGTH = 128
 
 
 class RequestInfo:
@@ -42,23 +41,6 @@ class RequestInfo:
 
 
 CURRENT: ContextVar[RequestInfo | None] = ContextVar("aserve_request", default=None)
-
-
-def request_id(given: str | None) -> str:
-    """``given`` if it is a printable ASCII id of at most 128 characters, else a new one."""
-    if given and len(given) <= _MAX_ID_LENGTH and given.isascii() and given.isprintable():
-        return given
-    return os.urandom(8).hex()
-
-
-def track_grpc(context: Any, access_log: bool) -> None:
-    """Give a gRPC call its request id (metadata ``x-request-id``) for the access
-    log; without the access log nothing reads it, so nothing is done."""
-    if access_log:
-        given = next(
-            (v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None
-        )
-        CURRENT.set(RequestInfo(request_id(given if isinstance(given, str) else None)))
 
 
 def access_record(

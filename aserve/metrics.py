@@ -1,6 +1,7 @@
 """Prometheus metrics, built at scrape time from counters aserve already keeps.
 
-Nothing here runs on the request path but :meth:`RequestMetrics.record`, one
+Nothing here runs on the request path: the frontends count each answered
+request in their :class:`~aserve.frontends.common.RequestMetrics` (one
 dict increment and one histogram observation per answered request. Everything
 else is read when ``GET /metrics`` is scraped, by :class:`ServerCollector`:
 per-model statistics (:class:`aserve.stats.ModelStats`), the batchers'
@@ -18,7 +19,6 @@ import asyncio
 import logging
 import threading
 from collections.abc import Iterable, Iterator
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import (
@@ -29,9 +29,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from aserve.logs import CURRENT, access_record
-from aserve.stats import LATENCY_BUCKETS_S, Histogram
-
 if TYPE_CHECKING:
     from aserve.loop.runtime import Server
 
@@ -41,43 +38,6 @@ log = logging.getLogger("aserve.metrics")
 # ("invalid_argument", "queue_full", ..., "cancelled" when the client left).
 OK = "ok"
 NVML_INTERVAL_S = 2.0
-
-
-class RequestMetrics:
-    """Requests the frontends answered, by model, version, protocol and status.
-
-    Server-wide (not per runtime), so counts survive reloads. Requests that
-    name no served model count under ``model=""``, so that clients cannot
-    create series by inventing names. Loop only.
-    """
-
-    def __init__(self, access_log: bool = False) -> None:
-        self.access_log = access_log  # also write each request to the access log
-        self.counts: dict[tuple[str, str, str, str], int] = {}
-        self.durations: dict[tuple[str, str], Histogram] = {}
-        # Refusals by a server-wide limit (reason -> count), no model known yet.
-        self.rejected: dict[str, int] = {}
-
-    def record(self, runtime: Any, protocol: str, status: str, started: float) -> None:
-        """Count one answered request; ``started`` is its ``perf_counter()`` at arrival.
-
-        ``runtime`` is the model runtime that served it, or None. The end-to-end
-        duration histogram takes successful requests only (Triton's convention).
-        """
-        if runtime is None:
-            model = version = ""
-        else:
-            model, version = runtime.name, runtime.version
-        key = (model, version, protocol, status)
-        counts = self.counts
-        counts[key] = counts.get(key, 0) + 1
-        if status == OK:
-            hist = self.durations.get((model, version))
-            if hist is None:
-                hist = self.durations[(model, version)] = Histogram(LATENCY_BUCKETS_S)
-            hist.observe(perf_counter() - started)
-        if self.access_log:
-            access_record(CURRENT.get(), protocol, model, version, status, perf_counter() - started)
 
 
 class NvmlSampler:
@@ -388,8 +348,8 @@ def _histogram(name: str, doc: str) -> HistogramMetricFamily:
 class Metrics:
     """The server's metrics: request counters, the NVML sampler, the registry /metrics shows."""
 
-    def __init__(self, server: Server) -> None:
-        self.requests = RequestMetrics(server.config.logging.access_log)
+    def __init__(self, server: Server, requests: Any) -> None:
+        self.requests = requests  # the frontends' RequestMetrics (frontends.common)
         self.nvml = NvmlSampler()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ServerCollector(server))

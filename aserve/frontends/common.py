@@ -11,8 +11,14 @@
   "no deadline" is not a deadline, and a request nobody bounds would hold its
   queue slot forever. (Body parameters are parsed where the body is decoded,
   by :func:`aserve.codecs.timeouts.parameter_timeout_s`.)
-- :class:`admit_and_count`: admission (``limits.max_concurrency``) for as long
-  as a request runs, then one count under its runtime, protocol and status.
+- :class:`admit_and_count`: admission (:class:`Admission`,
+  ``limits.max_concurrency``: how many inference requests both frontends
+  serve at once; over it, refused at once with QueueFull, nothing parked)
+  for as long as a request runs, then one count under its runtime, protocol
+  and status in :class:`RequestMetrics` (server-wide, read by /metrics and
+  the dashboard at scrape time).
+- :func:`request_id` and :func:`track_grpc`: the request id the access log
+  and the ``x-request-id`` answer header carry.
 - The names both frontends use: :data:`TIMEOUT_HEADER`, :data:`FINAL` and
   :data:`EMPTY_FINAL` (Triton's decoupled flags), :func:`as_error`,
   :func:`bool_parameter`, :func:`usage` and the :data:`Route` alias.
@@ -22,13 +28,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from time import perf_counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
-from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument
+from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument, QueueFull
+from aserve.logs import CURRENT, RequestInfo, access_record
 from aserve.metrics import OK
+from aserve.stats import LATENCY_BUCKETS_S, Histogram
 
 if TYPE_CHECKING:
     from aserve._proto import grpc_service_pb2 as pb
@@ -43,6 +52,96 @@ EMPTY_FINAL: Final = "triton_enable_empty_final_response"
 
 # How a route is added to the HTTP app: route(method, path, handler).
 Route = Callable[[str, str, Any], None]
+
+
+class Admission:
+    """Counts inference requests in flight; refuses those over ``limit`` (None: no limit).
+
+    ``rejected`` is the refusal counter by reason that /metrics exports; this
+    object adds to its ``"max_concurrency"`` entry.
+    """
+
+    __slots__ = ("inflight", "limit", "rejected")
+
+    def __init__(self, limit: int | None, rejected: dict[str, int]) -> None:
+        self.limit = limit
+        self.inflight = 0
+        self.rejected = rejected
+
+    def __enter__(self) -> None:
+        # No await between the check and the increment: the count is exact.
+        if self.limit is not None and self.inflight >= self.limit:
+            self.rejected["max_concurrency"] = self.rejected.get("max_concurrency", 0) + 1
+            raise QueueFull(
+                f"server is serving {self.inflight} requests, its limit "
+                f"limits.max_concurrency is {self.limit}; retry later"
+            )
+        self.inflight += 1
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.inflight -= 1
+
+
+class RequestMetrics:
+    """Requests the frontends answered, by model, version, protocol and status.
+
+    Server-wide (not per runtime), so counts survive reloads. Requests that
+    name no served model count under ``model=""``, so that clients cannot
+    create series by inventing names. Loop only.
+    """
+
+    def __init__(self, access_log: bool = False) -> None:
+        self.access_log = access_log  # also write each request to the access log
+        self.counts: dict[tuple[str, str, str, str], int] = {}
+        self.durations: dict[tuple[str, str], Histogram] = {}
+        # Refusals by a server-wide limit (reason -> count), no model known yet.
+        self.rejected: dict[str, int] = {}
+
+    def record(self, runtime: Any, protocol: str, status: str, started: float) -> None:
+        """Count one answered request; ``started`` is its ``perf_counter()`` at arrival.
+
+        ``runtime`` is the model runtime that served it, or None. The end-to-end
+        duration histogram takes successful requests only (Triton's convention).
+        """
+        if runtime is None:
+            model = version = ""
+        else:
+            model, version = runtime.name, runtime.version
+        key = (model, version, protocol, status)
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+        if status == OK:
+            hist = self.durations.get((model, version))
+            if hist is None:
+                hist = self.durations[(model, version)] = Histogram(LATENCY_BUCKETS_S)
+            hist.observe(perf_counter() - started)
+        if self.access_log:
+            access_record(CURRENT.get(), protocol, model, version, status, perf_counter() - started)
+
+
+_MAX_ID_LENGTH = 128
+
+
+def request_id(given: str | None) -> str:
+    """``given`` if it is a printable ASCII id of at most 128 characters, else a new one."""
+    if given and len(given) <= _MAX_ID_LENGTH and given.isascii() and given.isprintable():
+        return given
+    return os.urandom(8).hex()
+
+
+def track_grpc(context: Any, access_log: bool) -> None:
+    """Give a gRPC call its request id (metadata ``x-request-id``) for the access
+    log; without the access log nothing reads it, so nothing is done."""
+    if access_log:
+        given = next(
+            (v for k, v in context.invocation_metadata() or () if k == "x-request-id"), None
+        )
+        CURRENT.set(RequestInfo(request_id(given if isinstance(given, str) else None)))
 
 
 def resolve_deadline(

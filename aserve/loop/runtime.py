@@ -24,10 +24,10 @@ from aserve.config import ServerConfig
 from aserve.context import FrontendContext
 from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit, cuda_indices, gpu_present
 from aserve.frontends.auth import ApiKeys, load_api_keys
+from aserve.frontends.common import Admission, RequestMetrics
 from aserve.frontends.grpc.server import GrpcFrontend
 from aserve.frontends.http.app import CUT_OFF_S, HttpFrontend
 from aserve.loop.fd_limit import raise_open_file_limit
-from aserve.loop.limits import Admission
 from aserve.loop.registration import Registration
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
@@ -64,7 +64,8 @@ class Server:
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
         self.reloader = Reloader(self, source)
-        self.metrics = Metrics(self)  # before the frontends, which count requests in it
+        # Before the frontends, which count requests in it.
+        self.metrics = Metrics(self, RequestMetrics(config.logging.access_log))
         self.admission = Admission(config.limits.max_concurrency, self.metrics.requests.rejected)
         frontend = FrontendContext(
             config, base_dir, self.registry, self.admission, self.metrics, self.reloader,

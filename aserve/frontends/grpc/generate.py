@@ -33,9 +33,9 @@ from aserve.frontends.common import (
     as_error,
     bool_parameter,
     resolve_deadline,
+    track_grpc,
 )
 from aserve.frontends.status import GRPC_STATUS
-from aserve.logs import track_grpc
 from aserve.loop.prompt_size import check_prompt_size
 from aserve.loop.runtimes.generation import (
     TEXT_OUTPUT,

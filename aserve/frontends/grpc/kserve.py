@@ -36,11 +36,11 @@ from aserve.frontends.common import (
     as_error,
     bool_parameter,
     resolve_deadline,
+    track_grpc,
 )
 from aserve.frontends.grpc.generate import answer_decoupled
 from aserve.frontends.model_config import triton_config_message
 from aserve.frontends.status import GRPC_STATUS
-from aserve.logs import track_grpc
 from aserve.loop.runtimes.generation import GenerationRuntime
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from aserve import __version__
 from aserve.codecs.v2 import decode_request, encode_response
 from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, InvalidArgument, TooLarge, Unavailable
-from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, resolve_deadline
+from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, request_id, resolve_deadline
 from aserve.frontends.http.admin import add_admin_routes
 from aserve.frontends.http.auth import http_middleware, server_ssl_context
 from aserve.frontends.http.dashboard import add_dashboard_routes
@@ -51,7 +51,7 @@ from aserve.frontends.http.openapi import add_openapi_route
 from aserve.frontends.http.predictions import add_prediction_routes
 from aserve.frontends.model_config import triton_config_json
 from aserve.frontends.status import STATUS_LABELS, status_label
-from aserve.logs import CURRENT, REQUEST_ID_HEADER, REQUEST_ID_KEY, RequestInfo, request_id
+from aserve.logs import CURRENT, REQUEST_ID_HEADER, REQUEST_ID_KEY, RequestInfo
 from aserve.loop.fd_limit import fds_in_use, open_file_limit
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES
 
