@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command is not None:
         return int(args.run(args))
-    from aserve import logs
+    from aserve.obs import logs
 
     logs.configure(args.log_level, args.log_format or "text")
     # Imported late so that --help and config errors answer without loading torch.

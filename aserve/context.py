@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from aserve.frontends.common import Admission
     from aserve.loop.registry import ModelRegistry
     from aserve.loop.reload import Reloader
-    from aserve.metrics import Metrics
+    from aserve.obs.metrics import Metrics
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from aserve.errors import Unavailable
 from aserve.frontends.http.kit import error_response
 from aserve.loop.batcher import Batcher
 from aserve.loop.loop_lag import LoopLag
-from aserve.stats import ModelStats
+from aserve.obs.stats import ModelStats
 from bench.models import MODELS, sample_input
 
 

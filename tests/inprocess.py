@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from aserve.config import parse_config
-from aserve.loop.runtime import Server
+from aserve.server import Server
 
 
 @dataclass

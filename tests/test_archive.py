@@ -22,8 +22,8 @@ from helpers import v2_body
 from reload_helpers import config_status, rewrite_config, wait_attempts
 from stall_watch import watch_loop
 
-from aserve import archive
-from aserve.archive import ArchiveError, serve_config
+from aserve.config import archive
+from aserve.config.archive import ArchiveError, serve_config
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = [5.1, 3.5, 1.4, 0.2, 6.0, 2.9, 4.5, 1.5, 6.3, 3.3, 6.0, 2.5]

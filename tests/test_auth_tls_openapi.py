@@ -256,7 +256,7 @@ def test_grpc_over_tls(tls_server: dict) -> None:
 
 
 def test_openapi_describes_every_route(tmp_path: Path) -> None:
-    from aserve.loop.runtime import Server
+    from aserve.server import Server
 
     server = Server(parse_config({"models": []}), tmp_path)
     served = {

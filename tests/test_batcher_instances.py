@@ -14,7 +14,7 @@ from aserve.config import BatchingConfig
 from aserve.errors import Unavailable
 from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
-from aserve.stats import ModelStats
+from aserve.obs.stats import ModelStats
 from aserve.workers.job import BatchJob
 
 pytestmark = pytest.mark.timeout(30)

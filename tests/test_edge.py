@@ -27,7 +27,7 @@ from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 from aserve.config import ConfigError, parse_config
 from aserve.frontends.http.limits import accept_error_handler
-from aserve.log_throttle import Throttled
+from aserve.obs.log_throttle import Throttled
 
 pytestmark = pytest.mark.timeout(120)
 

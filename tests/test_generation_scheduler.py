@@ -10,10 +10,10 @@ import pytest
 
 from aserve.config import GenerationConfig
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull
+from aserve.loop.channel import TokenChannel
 from aserve.loop.continuous import ContinuousBatcher, GenerationRequest
+from aserve.obs.stats import ModelStats
 from aserve.sched.step_policy import RunningView, StepLimits, WaitingView, plan_step
-from aserve.stats import ModelStats
-from aserve.streaming.channel import TokenChannel
 from aserve.types.generation import StepOutput
 from aserve.workers.job import StepJob
 

@@ -1,6 +1,6 @@
 """Custom metrics from python handlers (``context.metrics``): declared, bounded, exported.
 
-Unit tests of :class:`aserve.handler_metrics.MetricSet` (names, labels, the
+Unit tests of :class:`aserve.obs.handler_metrics.MetricSet` (names, labels, the
 cap, a worker's deltas crossing as msgpack), then a real server with the
 ``metered`` handler on threads and in a worker process, scraped on
 ``/metrics`` and read from the dashboard's stats. The page's charts of them
@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from reload_helpers import copy_handler
 from stall_watch import watch_loop
 
-from aserve.handler_metrics import MAX_SERIES, MetricSet
+from aserve.obs.handler_metrics import MAX_SERIES, MetricSet
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from aserve._proto import aserve_pb2 as apb
 from aserve._proto import aserve_pb2_grpc as apb_grpc
-from aserve.metrics import NvmlSampler
-from aserve.stats import Histogram
+from aserve.obs.metrics import NvmlSampler
+from aserve.obs.stats import Histogram
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -13,9 +13,9 @@ from aserve.errors import DeadlineExceeded, Unavailable
 from aserve.loop.batcher import Batcher
 from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
+from aserve.obs.stats import ModelStats
 from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
 from aserve.sched.policy import BatchLimits, Plan, QueueView, plan, predicted_finish
-from aserve.stats import ModelStats
 from aserve.workers.job import BatchJob, Executor
 
 LIMITS = BatchLimits.build(max_batch_size=32, max_delay_ms=5.0, preferred=[8, 16, 32])

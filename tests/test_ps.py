@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from conftest import HANDLERS, model_entry, spec, start_server, write_config
 
-from aserve import runtime_dir
+from aserve.obs import runtime_dir
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -147,8 +147,8 @@ def test_live_but_not_ready_while_models_load(tmp_path):
 
 
 def test_the_preflight_names_a_taken_address_and_passes_free_ones() -> None:
+    from aserve.commands.preflight import address_in_use
     from aserve.config import parse_config
-    from aserve.preflight import address_in_use
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

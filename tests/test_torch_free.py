@@ -60,7 +60,7 @@ LAYERS = [
     "aserve.codecs.v2",
     "aserve.codecs.v2_grpc",
     "aserve.codecs.sampling",
-    "aserve.streaming.channel",
+    "aserve.loop.channel",
     "aserve.config",
     "aserve.config.schema",
     "aserve.config.load",

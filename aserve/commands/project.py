@@ -1,6 +1,6 @@
 """``aserve new NAME`` and ``aserve archive DIR``: a handler project, scaffolded and packed.
 
-The work is done by :mod:`aserve.scaffold` and :mod:`aserve.archive_pack`;
+The work is done by :mod:`aserve.commands.scaffold` and :mod:`aserve.commands.archive_pack`;
 this module only adds their parsers.
 """
 
@@ -30,12 +30,12 @@ def add_parsers(sub: Any) -> None:
 
 
 def _run_new(args: argparse.Namespace) -> int:
-    from aserve import scaffold
+    from aserve.commands import scaffold
 
     return scaffold.run_new(args.name)
 
 
 def _run_archive(args: argparse.Namespace) -> int:
-    from aserve import archive_pack
+    from aserve.commands import archive_pack
 
     return archive_pack.run_archive(args.project, args.output, args.project_config, args.skip_tests)

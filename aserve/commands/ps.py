@@ -1,7 +1,7 @@
 """``aserve ps``: the aserve servers running on this machine (for this user).
 
 Reads the entries servers keep in the runtime directory (see
-:mod:`aserve.loop.registration`); stale ones, of servers killed without a
+:mod:`aserve.obs.registration`); stale ones, of servers killed without a
 chance to remove theirs, are skipped and deleted.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from aserve import runtime_dir
+from aserve.obs import runtime_dir
 
 
 def add_parser(sub: Any) -> None:

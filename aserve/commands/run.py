@@ -18,14 +18,14 @@ def run_server(
     config: ServerConfig, base_dir: Path, source: ConfigSource | None, what: str | Path
 ) -> int:
     """Serve until SIGINT/SIGTERM; the exit status (1: it could not start)."""
-    from aserve.preflight import address_in_use
+    from aserve.commands.preflight import address_in_use
 
     # Before the imports below (torch among them): a port in use fails in milliseconds.
     busy = address_in_use(config)
     if busy is not None:
         print(f"aserve: error: {busy}", file=sys.stderr)
         return 1
-    from aserve.loop.runtime import Server, StartupError
+    from aserve.server import Server, StartupError
 
     try:
         import uvloop

@@ -131,7 +131,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aserve import logs
+    from aserve.obs import logs
 
     logs.configure(args.log_level, args.log_format)
     try:
@@ -449,7 +449,7 @@ def _fit_context(model: dict[str, Any], max_model_len: int | None) -> None:
 
 
 def _archive(path: Path) -> tuple[dict[str, Any], Path]:
-    from aserve.archive import ArchiveError, serve_config
+    from aserve.config.archive import ArchiveError, serve_config
 
     try:
         return serve_config(path), path.absolute().parent

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from aserve import archive
+from aserve.config import archive
 from aserve.config.pipelines import check_pipelines
 from aserve.config.schema import ServerConfig
 

@@ -7,9 +7,8 @@ process, in a worker or step process (:mod:`aserve.workers.child`), or, for
 torch model's tiny batches may also run on the loop's thread
 (:class:`aserve.workers.thread_pool.ExecutorPool`, inline). Nothing here
 touches an asyncio object: executors (:mod:`aserve.workers`) take the jobs
-from the loop and hand the results back. One exception is left:
-:meth:`aserve.engines.gpu_memory.CacheReleaser.run`, the periodic cache
-release the server's lifecycle runs as a task on the loop.
+from the loop and hand the results back (the import contract in
+``pyproject.toml`` refuses an ``asyncio`` import here).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ parameter so that their arithmetic can be checked on machines without a GPU.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable
@@ -68,7 +67,7 @@ def gpu_present() -> bool:
 
 class CacheReleaser:
     """Calls ``empty_cache`` every ``interval_s``: on a worker thread from the
-    server's loop (:meth:`run`), or between steps in a step process (:meth:`maybe`)."""
+    server's loop (``aserve.server``), or between steps in a step process (:meth:`maybe`)."""
 
     def __init__(self, cuda: Any, interval_s: float) -> None:
         self._cuda = cuda
@@ -85,8 +84,3 @@ class CacheReleaser:
         """Release if the interval has passed (cheap to call after every step)."""
         if time.monotonic() - self._last >= self.interval_s:
             self.release()
-
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await asyncio.to_thread(self.release)

@@ -58,7 +58,7 @@ import orjson
 
 from aserve.config import ModelConfig, TensorSpec
 from aserve.engines.base import Engine
-from aserve.handler_metrics import MetricSet
+from aserve.obs.handler_metrics import MetricSet
 
 REQUIRED_METHODS = ("load", "preprocess", "infer", "postprocess")
 RAW_METHOD = "preprocess_raw"  # a handler with it serves /predictions

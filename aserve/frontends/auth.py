@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from aserve.config import AuthConfig
-from aserve.log_throttle import Throttled
+from aserve.obs.log_throttle import Throttled
 
 log = logging.getLogger("aserve.auth")
 

@@ -35,9 +35,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument, QueueFull
-from aserve.logs import CURRENT, RequestInfo, access_record
-from aserve.metrics import OK
-from aserve.stats import LATENCY_BUCKETS_S, Histogram
+from aserve.obs.logs import CURRENT, RequestInfo, access_record
+from aserve.obs.metrics import OK
+from aserve.obs.stats import LATENCY_BUCKETS_S, Histogram
 
 if TYPE_CHECKING:
     from aserve._proto import grpc_service_pb2 as pb

@@ -14,7 +14,7 @@ from typing import Final, NamedTuple
 import grpc
 
 from aserve.errors import ErrorCode
-from aserve.metrics import OK
+from aserve.obs.metrics import OK
 
 
 class WireStatus(NamedTuple):

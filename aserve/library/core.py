@@ -28,7 +28,7 @@ from aserve.library.pools import DevicePools, spread
 from aserve.library.runner import FunctionEngine
 from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
-from aserve.stats import ModelStats
+from aserve.obs.stats import ModelStats
 from aserve.workers.batch_process import ProcessPool, WorkerSpec
 from aserve.workers.thread_pool import ExecutorPool
 

@@ -35,6 +35,7 @@ from aserve.config import BatchingConfig
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
 from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
+from aserve.obs.stats import ModelStats
 from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
 from aserve.sched.policy import (
     BatchLimits,
@@ -43,7 +44,6 @@ from aserve.sched.policy import (
     plan,
     predicted_finish,
 )
-from aserve.stats import ModelStats
 from aserve.workers.job import BatchJob, Executor
 
 log = logging.getLogger("aserve.batcher")

@@ -5,7 +5,7 @@ Layer: ``loop``; runs on the event loop only; the decisions come from
 time, on the model's step executor (an :class:`~aserve.workers.job.Executor`:
 the step thread of :mod:`aserve.workers.step_executor` or the step process of
 :mod:`aserve.workers.step_process`). When it comes back,
-the outputs go into each request's :class:`~aserve.streaming.channel.TokenChannel`
+the outputs go into each request's :class:`~aserve.loop.channel.TokenChannel`
 and the next step is formed at once: finished, cancelled and expired
 sequences have left, waiting ones are admitted as slots and the prefill
 budget allow, paused ones (their reader is behind) sit out. The loop never
@@ -38,10 +38,10 @@ from aserve.errors import (
     QueueFull,
     Unavailable,
 )
-from aserve.logs import CURRENT
+from aserve.loop.channel import TokenChannel
+from aserve.obs.logs import CURRENT
+from aserve.obs.stats import ModelStats
 from aserve.sched.step_policy import RunningView, StepLimits, WaitingView, plan_step
-from aserve.stats import ModelStats
-from aserve.streaming.channel import TokenChannel
 from aserve.types.generation import Delta, StepOutput
 from aserve.workers.job import Executor, StepJob
 

@@ -42,7 +42,7 @@ from aserve.loop.runtimes.base import Runtime
 from aserve.loop.runtimes.factory import create_runtime
 
 if TYPE_CHECKING:
-    from aserve.loop.runtime import Server
+    from aserve.server import Server
 
 log = logging.getLogger("aserve.reload")
 

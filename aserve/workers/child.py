@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from aserve import logs
 from aserve.config import GenerationConfig, GpuConfig, ModelConfig
 from aserve.engines import create_engine
 from aserve.engines.base import Engine
 from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit, cuda_indices
 from aserve.engines.python_handler import PythonHandlerEngine
+from aserve.obs import logs
 from aserve.workers.wire import pack_arrays, unpack_arrays
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ generation then cancels the sequence, which leaves the batch at the next step.
 
 Writes wait for HTTP/2 flow control, so a client that reads slowly stops the
 handler from reading the token channel, and its sequence is paused (see
-:mod:`aserve.streaming.channel`) instead of buffering without bound.
+:mod:`aserve.loop.channel`) instead of buffering without bound.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from aserve.loop.runtimes.generation import (
     text_input,
     text_tensor,
 )
-from aserve.metrics import OK
+from aserve.obs.metrics import OK
 from aserve.types.generation import BadSetting, Delta, SamplingParams, sampling_settings
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from aserve.frontends.grpc.generate import SERVICE_NAME as GENERATION_SERVICE
 from aserve.frontends.grpc.generate import GenerationServicer
 from aserve.frontends.grpc.health import REFLECTED_SERVICES, Health, reflection_pool
 from aserve.frontends.grpc.kserve import InferenceServicer
-from aserve.loop.fd_limit import fds_in_use, open_file_limit
+from aserve.obs.fd_limit import fds_in_use, open_file_limit
 
 if TYPE_CHECKING:
     from aserve.context import FrontendContext

@@ -51,9 +51,9 @@ from aserve.frontends.http.openapi import add_openapi_route
 from aserve.frontends.http.predictions import add_prediction_routes
 from aserve.frontends.model_config import triton_config_json
 from aserve.frontends.status import STATUS_LABELS, status_label
-from aserve.logs import CURRENT, REQUEST_ID_HEADER, REQUEST_ID_KEY, RequestInfo
-from aserve.loop.fd_limit import fds_in_use, open_file_limit
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES
+from aserve.obs.fd_limit import fds_in_use, open_file_limit
+from aserve.obs.logs import CURRENT, REQUEST_ID_HEADER, REQUEST_ID_KEY, RequestInfo
 
 if TYPE_CHECKING:
     from aserve.context import FrontendContext

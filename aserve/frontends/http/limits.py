@@ -39,7 +39,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from aserve.log_throttle import Throttled
+from aserve.obs.log_throttle import Throttled
 
 log = logging.getLogger("aserve.http")
 

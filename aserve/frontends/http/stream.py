@@ -17,7 +17,7 @@ is one last framed ``{"error": ...}`` message and the end
 after the last message, never held open: the OpenAI SDK 1.x reads until EOF
 after ``[DONE]``. Writes wait for the socket (aiohttp drains its buffer), so a
 slow client stops the handler from reading its token channel, which pauses
-its sequence (see :mod:`aserve.streaming.channel`). A client that has gone
+its sequence (see :mod:`aserve.loop.channel`). A client that has gone
 shows up as the handler's cancellation (or as ``ConnectionError`` from a
 write), and leaving the handler cancels the generation.
 """
@@ -30,7 +30,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-from aserve.logs import REQUEST_ID_HEADER, REQUEST_ID_KEY
+from aserve.obs.logs import REQUEST_ID_HEADER, REQUEST_ID_KEY
 
 DONE: Final = b"data: [DONE]\n\n"
 NDJSON: Final = "application/x-ndjson"

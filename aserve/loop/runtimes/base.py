@@ -31,7 +31,7 @@ import numpy as np
 
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.errors import Unavailable
-from aserve.stats import ModelStats
+from aserve.obs.stats import ModelStats
 
 # How often a drain looks whether a runtime that routing no longer reaches is idle.
 DRAIN_POLL_S = 0.02

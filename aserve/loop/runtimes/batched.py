@@ -20,7 +20,6 @@ from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines import builtin, create_engine
 from aserve.engines.base import Engine
 from aserve.errors import Unavailable
-from aserve.logs import CURRENT
 from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
 from aserve.loop.runtimes.base import (
@@ -31,6 +30,7 @@ from aserve.loop.runtimes.base import (
     not_ready,
     string_parameters,
 )
+from aserve.obs.logs import CURRENT
 from aserve.types.tensors import numpy_dtype
 from aserve.workers.batch_process import ProcessPool, WorkerSpec
 from aserve.workers.job import BatchJob

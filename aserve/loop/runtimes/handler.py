@@ -40,10 +40,10 @@ from aserve.errors import (
     InternalError,
     InvalidArgument,
 )
-from aserve.handler_metrics import MetricSet
 from aserve.loop.runtimes.base import ModelState, Runtime, batching_reconfigurable
 from aserve.loop.runtimes.batched import ModelRuntime
 from aserve.loop.runtimes.handler_threads import Spread, TimedStage, raw_post_threadsafe
+from aserve.obs.handler_metrics import MetricSet
 from aserve.types.tensors import numpy_dtype, shape_fits, shape_text
 
 # The last part of a request's time budget that its answer needs to reach the client.

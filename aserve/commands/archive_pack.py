@@ -2,7 +2,7 @@
 
 The project's tests run first (pytest, in the project's folder); an archive
 is written only when they pass. It holds every plain file of the project but
-caches and hidden files, plus ``MANIFEST.json`` (see ``aserve/archive.py``,
+caches and hidden files, plus ``MANIFEST.json`` (see ``aserve/config/archive.py``,
 which checks it on load). Members are sorted and dated 1980, so packing the
 same files twice gives the same bytes.
 """
@@ -20,8 +20,8 @@ import zipfile
 from importlib.util import find_spec
 from pathlib import Path
 
-from aserve import __version__, archive
-from aserve.config import ConfigError, read_config
+from aserve import __version__
+from aserve.config import ConfigError, archive, read_config
 from aserve.config.checks import check_model_files
 from aserve.config.paths import PREFIX
 

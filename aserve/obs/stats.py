@@ -3,7 +3,7 @@
 Counters are plain ints updated on the loop only, so no locks are needed.
 Durations are nanoseconds, as the statistics protocol reports them.
 :class:`Histogram` keeps fixed-bucket counts (seconds) for the Prometheus
-exporter (``aserve/metrics.py``), which reads them only when scraped.
+exporter (``aserve/obs/metrics.py``), which reads them only when scraped.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Nothing here runs on the request path: the frontends count each answered
 request in their :class:`~aserve.frontends.common.RequestMetrics` (one
 dict increment and one histogram observation per answered request. Everything
 else is read when ``GET /metrics`` is scraped, by :class:`ServerCollector`:
-per-model statistics (:class:`aserve.stats.ModelStats`), the batchers'
+per-model statistics (:class:`aserve.obs.stats.ModelStats`), the batchers'
 gauges, the generation counters, the reload counters, python handlers' own
-metrics (:mod:`aserve.handler_metrics`, as ``aserve_handler_*``), and the GPU
+metrics (:mod:`aserve.obs.handler_metrics`, as ``aserve_handler_*``), and the GPU
 gauges of :class:`NvmlSampler` (a thread that polls NVML, only where NVML is present).
 
 Names follow the Prometheus conventions (``aserve_`` prefix, base units,
@@ -30,7 +30,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 if TYPE_CHECKING:
-    from aserve.loop.runtime import Server
+    from aserve.server import Server
 
 log = logging.getLogger("aserve.metrics")
 

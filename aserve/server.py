@@ -27,13 +27,13 @@ from aserve.frontends.auth import ApiKeys, load_api_keys
 from aserve.frontends.common import Admission, RequestMetrics
 from aserve.frontends.grpc.server import GrpcFrontend
 from aserve.frontends.http.app import CUT_OFF_S, HttpFrontend
-from aserve.loop.fd_limit import raise_open_file_limit
-from aserve.loop.registration import Registration
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
 from aserve.loop.runtimes.factory import create_runtime
 from aserve.loop.runtimes.generation import GenerationRuntime
-from aserve.metrics import Metrics
+from aserve.obs.fd_limit import raise_open_file_limit
+from aserve.obs.metrics import Metrics
+from aserve.obs.registration import Registration
 
 log = logging.getLogger("aserve.server")
 
@@ -237,8 +237,16 @@ class Server:
         apply_memory_limit(torch.cuda, gpu, cuda_indices(m.device for m in self.config.models))
         if gpu.empty_cache_interval_s is not None:
             releaser = CacheReleaser(torch.cuda, gpu.empty_cache_interval_s)
-            self._cache_releaser = asyncio.create_task(releaser.run())
+            self._cache_releaser = asyncio.create_task(_release_periodically(releaser))
 
     async def _unload_all(self) -> None:
         for rt in reversed(self.registry.swap(remove=list(self.registry))):
             await rt.unload()
+
+
+async def _release_periodically(releaser: CacheReleaser) -> None:
+    """``gpu.empty_cache_interval_s``: the release itself on a worker thread,
+    since ``empty_cache`` waits for the device."""
+    while True:
+        await asyncio.sleep(releaser.interval_s)
+        await asyncio.to_thread(releaser.release)

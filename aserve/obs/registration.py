@@ -7,7 +7,7 @@ found by looking a few times a second, the way the gRPC health watcher
 does, because a model also turns not ready with no event on the loop.
 The entry is removed when the server stops, and at interpreter exit as a
 fallback; after SIGKILL it stays, and readers clean it (see
-:mod:`aserve.runtime_dir`).
+:mod:`aserve.obs.runtime_dir`).
 
 Why a file rather than ``ps`` asking each server over HTTP: it needs no API
 key or TLS client setup for servers that require them, answers at once for
@@ -29,10 +29,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aserve import __version__, runtime_dir
+from aserve import __version__
+from aserve.obs import runtime_dir
 
 if TYPE_CHECKING:
-    from aserve.loop.runtime import Server
+    from aserve.server import Server
 
 log = logging.getLogger("aserve.server")
 

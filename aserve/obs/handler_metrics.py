@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from aserve.stats import LATENCY_BUCKETS_S
+from aserve.obs.stats import LATENCY_BUCKETS_S
 
 log = logging.getLogger("aserve.handler")
 

@@ -1,6 +1,6 @@
 """Serving ``.aserve`` archives: checked against their manifest, extracted once, reused.
 
-An archive (made by ``aserve archive``, see ``aserve/archive_pack.py``) is a zip
+An archive (made by ``aserve archive``, see ``aserve/commands/archive_pack.py``) is a zip
 of a project plus ``MANIFEST.json``: every other member's path, SHA-256 and
 size, the aserve version that packed it and the config file's name. Loading
 checks the zip against the manifest before anything is written (integrity,
