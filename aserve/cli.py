@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format or "text")
     # Imported late so that --help and config errors answer without loading torch.
     from aserve.config import ConfigError, read_config
-    from aserve.config.checks import check_model_files
+    from aserve.engines.checks import check_model_files
 
     path = args.config or DEFAULT_CONFIG
     try:

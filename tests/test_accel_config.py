@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from aserve.config import ConfigError, parse_config
-from aserve.config.checks import check_model_files
+from aserve.engines.checks import check_model_files
 from aserve.engines.requirements import engine_problem
 
 X = [{"name": "X", "datatype": "FP32", "shape": [4]}]

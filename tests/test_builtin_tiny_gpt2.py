@@ -27,8 +27,8 @@ from conftest import start_server, write_config
 from aserve._proto import aserve_pb2 as apb
 from aserve._proto import aserve_pb2_grpc as apb_grpc
 from aserve.config import ConfigError, GenerationConfig, parse_config
-from aserve.config.checks import check_model_files
 from aserve.engines import builtin as builtin_models
+from aserve.engines.checks import check_model_files
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from aserve.config import ConfigError, parse_config
-from aserve.config.checks import check_model_files
+from aserve.engines.checks import check_model_files
 
 DECODER = {"name": "lm", "engine": "decoder", "path": "lm"}
 TENSOR = {"name": "X", "datatype": "FP32", "shape": [4]}

@@ -112,7 +112,7 @@ def test_the_blocker_blocks() -> None:
 @pytest.mark.timeout(90)
 def test_config_stays_below_the_engines() -> None:
     """Loading a config (schema, archives, pipelines) imports no engine, loop or
-    frontend module; only :mod:`aserve.config.checks` may."""
+    frontend module; only :mod:`aserve.engines.checks` may."""
     code = (
         "import sys, aserve.config as c\n"
         "c.parse_config({'models': [{'name': 'm', 'engine': 'pipeline', 'steps': [{'model': 'a'}],"
@@ -123,7 +123,7 @@ def test_config_stays_below_the_engines() -> None:
         " 'outputs': [{'name': 'Y', 'datatype': 'FP32', 'shape': [1]}]}]}, base_dir=None)\n"
         "up = ('engines', 'loop', 'frontends', 'scheduler', 'streaming', 'codecs')\n"
         "bad = sorted(m for m in sys.modules if m.startswith('aserve.') and"
-        " (m.split('.')[1] in up or m == 'aserve.config.checks'))\n"
+        " (m.split('.')[1] in up or m == 'aserve.engines.checks'))\n"
         "assert not bad, bad\n"
     )
     run = subprocess.run(

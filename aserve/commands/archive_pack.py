@@ -22,8 +22,8 @@ from pathlib import Path
 
 from aserve import __version__
 from aserve.config import ConfigError, archive, read_config
-from aserve.config.checks import check_model_files
 from aserve.config.paths import PREFIX
+from aserve.engines.checks import check_model_files
 
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".git", ".venv", "venv", ".mypy_cache", ".ruff_cache"}
 _DATE = (1980, 1, 1, 0, 0, 0)

@@ -189,9 +189,9 @@ def validate(plan: Plan) -> Any:
     from pydantic import ValidationError
 
     from aserve.config import ConfigError, ServerConfig
-    from aserve.config.checks import check_model_files
     from aserve.config.load import _message
     from aserve.config.pipelines import check_pipelines
+    from aserve.engines.checks import check_model_files
 
     try:
         config = ServerConfig.model_validate(plan.data)

@@ -3,7 +3,7 @@
 Layer ``config``, above ``types`` and ``errors`` only. ``from aserve.config
 import ModelConfig, parse_config`` keeps working for every name of those two
 modules. The checks that need files, engines and handler modules live in
-:mod:`aserve.config.checks`, which sits above the engines and is imported by
+:mod:`aserve.engines.checks`, which sits above the engines and is imported by
 the commands, the CLI and a reload only, never from here.
 """
 

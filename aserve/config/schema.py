@@ -4,7 +4,7 @@ Layer ``config`` (above ``types`` and ``errors`` only): pure values, validated
 once when a config is loaded and read anywhere afterwards (loop, executor
 threads, child processes get them as dicts). A config is immutable once
 loaded. Unknown keys are errors. Checks that need files, engines or handler
-modules are :mod:`aserve.config.checks`'s; reading files and formatting
+modules are :mod:`aserve.engines.checks`'s; reading files and formatting
 errors is :mod:`aserve.config.load`'s.
 """
 

@@ -14,7 +14,7 @@ whole); and scripting itself is one thread at a time, because two
 threads scripting one class race inside TorchScript ("Can't redefine method").
 
 Layer ``engines``: the builders import torch (and the decoder engine) only
-when they build, so that checking a config (:mod:`aserve.config.checks`
+when they build, so that checking a config (:mod:`aserve.engines.checks`
 reads :data:`BUILDERS`) does not import torch. The ``builtin:`` prefix and the
 cache folder are the config layer's (:mod:`aserve.config.paths`). Blocking:
 ``locate`` and ``resolve`` run off the loop.

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 
 from aserve.config import ConfigError, ModelConfig, ServerConfig, parse_config
-from aserve.config.checks import check_model_files
+from aserve.engines.checks import check_model_files
 from aserve.errors import InternalError, NotFound, Unavailable
 from aserve.loop.runtimes.base import Runtime
 from aserve.loop.runtimes.factory import create_runtime

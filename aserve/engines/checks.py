@@ -1,10 +1,10 @@
 """Checks of a config that need more than the config: files, engines, handler modules.
 
-Above the ``engines`` layer (it asks the engines what this machine can serve
-and imports python handlers), so only the commands, the CLI and a reload
-import it, never :mod:`aserve.config` itself. Blocking, and it imports user
-code: call it before the server starts or off the loop (a reload runs it in
-a thread).
+In the ``engines`` layer, not in ``config``: it asks the engines what this
+machine can serve and imports python handlers, so the config package itself
+never imports it; the CLI, the commands, the server and a reload do.
+Blocking, and it imports user code: call it before the server starts or off
+the loop (a reload runs it in a thread).
 """
 
 from __future__ import annotations
