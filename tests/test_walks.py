@@ -25,8 +25,18 @@ import aserve
 
 PACKAGE = str(Path(aserve.__file__).parent) + "/"
 
-MAX_UNARY_INFER_FILES = 10
-MAX_STREAMED_CHAT_FILES = 14
+# What the walks measure today (ARCHITECTURE.md, "Two walks", lists them): a
+# change that adds a module to a request's path fails here and has to say why.
+MAX_UNARY_INFER_FILES = 14
+MAX_STREAMED_CHAT_FILES = 16
+
+# The server's own timers, which may fire while the request runs: not its path.
+BACKGROUND = {
+    "loop/loop_lag.py",
+    "obs/registration.py",
+    "loop/reload.py",
+    "frontends/http/dashboard_history.py",
+}
 
 TINY_GPT2 = {
     "name": "tiny-gpt2", "engine": "decoder", "path": "builtin:tiny-gpt2", "cpu_threads": 1,
@@ -44,7 +54,7 @@ class Walk:
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         if self.recording and event == "call":
             name = frame.f_code.co_filename
-            if name.startswith(PACKAGE):
+            if name.startswith(PACKAGE) and name[len(PACKAGE) :] not in BACKGROUND:
                 self.files.add(name[len(PACKAGE) :])
 
     async def follow(self, request: Callable[[], Awaitable[None]]) -> set[str]:
@@ -71,7 +81,7 @@ def walk() -> Any:
 async def test_one_unary_http_inference(walk: Walk, model_dir: Path) -> None:
     entry = model_entry(
         "affine", "affine.pt", [spec("INPUT0", "FP32", [16])], [spec("OUTPUT0", "FP32", [16])],
-        batching={"max_batch_size": 8, "timeout_ms": 1},
+        batching={"max_batch_size": 8, "timeout_ms": 10000},
     )  # fmt: skip
     body = {
         "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 16], "data": [1.0] * 16}]
