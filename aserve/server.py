@@ -1,4 +1,8 @@
-"""The server's lifecycle: starting -> ready -> draining -> stopped.
+"""The composition root: the server's lifecycle, starting -> ready -> draining -> stopped.
+
+Layer ``server``, the top beside ``library``: it builds the registry, the
+frontends (handing them a :class:`~aserve.context.FrontendContext`), the
+metrics and the reloader, and runs on the loop.
 
 Startup binds the listeners first, then loads and warms every model before
 readiness turns true. SIGINT or SIGTERM starts a graceful stop (see

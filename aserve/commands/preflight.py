@@ -1,6 +1,6 @@
 """Are the listening addresses free? Asked before the server's heavy imports.
 
-The server binds its listeners before any model loads (``loop/runtime.py``);
+The server binds its listeners before any model loads (``server.py``);
 reaching that point still takes the import of torch and the frontends, over a
 second. This check binds and releases each configured address with plain
 sockets first, so that a port in use ends the process in milliseconds. It

@@ -3,8 +3,8 @@
 Layer ``config``, above ``types`` and ``errors`` only. ``from aserve.config
 import ModelConfig, parse_config`` keeps working for every name of those two
 modules. The checks that need files, engines and handler modules live in
-:mod:`aserve.engines.checks`, which sits above the engines and is imported by
-the commands, the CLI and a reload only, never from here.
+:mod:`aserve.engines.checks` (engines layer), imported by the commands, the
+CLI, the server and a reload, never from here.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Nothing here runs on the request path: the frontends count each answered
 request in their :class:`~aserve.frontends.common.RequestMetrics` (one
-dict increment and one histogram observation per answered request. Everything
+dict increment and one histogram observation per answered request). Everything
 else is read when ``GET /metrics`` is scraped, by :class:`ServerCollector`:
 per-model statistics (:class:`aserve.obs.stats.ModelStats`), the batchers'
 gauges, the generation counters, the reload counters, python handlers' own
