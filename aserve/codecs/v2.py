@@ -79,6 +79,17 @@ class DecodedRequest:
         self.pending = []
 
 
+def json_object(raw: bytes | memoryview) -> dict[str, Any]:
+    """A request body (or a binary request's JSON header) that must be one JSON object."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("request body must be a JSON object")
+    return doc
+
+
 def decode_request(
     body: bytes,
     header_length: str | None,
@@ -118,13 +129,7 @@ def decode_request(
             )
         view = memoryview(body)
         header, binary = view[:n], view[n:]
-    try:
-        doc = orjson.loads(header)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidArgument("request body must be a JSON object")
-
+    doc = json_object(header)
     client_id = doc.get("id")
     if client_id is not None and not isinstance(client_id, str):
         raise InvalidArgument("field 'id' must be a string")

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import web
 
+from aserve.codecs.v2 import json_object
 from aserve.errors import AserveError, InvalidArgument
 from aserve.frontends.http.kit import RouteKit, error_response, json_response
 
@@ -81,12 +81,7 @@ def add_admin_routes(kit: RouteKit, ctx: FrontendContext) -> None:
 def _json_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         return {}
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidArgument("request body must be a JSON object")
+    doc = json_object(raw)
     params = doc.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise InvalidArgument("field 'parameters' must be an object")

@@ -21,11 +21,10 @@ import logging
 import zlib
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import web
 
 from aserve import __version__
-from aserve.codecs.v2 import decode_request, encode_response
+from aserve.codecs.v2 import decode_request, encode_response, json_object
 from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, InvalidArgument, TooLarge, Unavailable
 from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, request_id, resolve_deadline
@@ -445,13 +444,7 @@ async def read_json_object(request: web.Request, limit_bytes: int | None = None)
     body = await read_body(request)
     if limit_bytes is not None and len(body) > limit_bytes:
         raise _body_too_large(len(body), limit_bytes)
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise InvalidArgument("request body must be a JSON object")
-    return doc
+    return json_object(body)
 
 
 def _body_too_large(size: int, limit: int) -> TooLarge:
