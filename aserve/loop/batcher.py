@@ -99,6 +99,10 @@ class Batcher:
         self._heap: list[InferenceRequest] = []  # by deadline; may hold stale entries
         self._fifo: deque[InferenceRequest] = deque()  # by arrival; may hold stale entries
         self._queued_requests = 0
+        # Requests a stage ahead of this batcher holds (a handler model's, in
+        # preprocessing), admitted by reserve() and queued here once through it.
+        self._reserved_requests = 0
+        self._reserved_items = 0
         self._queued_items = 0
         self._running: set[_Running] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -151,6 +155,30 @@ class Batcher:
             self._pump_soon = True
             self._loop.call_soon(self._pump)
 
+    def reserve(self, now: float, deadline: float, items: int, ready_at: float) -> float | None:
+        """Admit now a request of ``items`` that joins the queue only at ``ready_at``
+        (after a stage ahead of this batcher): raise what :meth:`submit` would
+        refuse it with then, counting the requests reserved before it as queued
+        ahead. Returns its prediction, as :meth:`check_admission`. Call
+        :meth:`release` once it is queued or given up."""
+        predicted = self.check_admission(
+            now, deadline, items, self._reserved_requests, self._reserved_items, ready_at
+        )
+        self._reserved_requests += 1
+        self._reserved_items += items
+        return predicted
+
+    def release(self, items: int) -> None:
+        """A reserved request of ``items`` was queued or given up."""
+        self._reserved_requests -= 1
+        self._reserved_items -= items
+
+    def answered_late(self, now: float, budget_s: float, ratio: float | None) -> None:
+        """An answer of this batcher's reached its client late, or too near its
+        deadline, after a stage behind the batch: admission was too optimistic
+        (``ratio``: its real time over the predicted one, None when unknown)."""
+        self.margin.missed(now, budget_s, ratio)
+
     def check_admission(
         self,
         now: float,
@@ -162,10 +190,10 @@ class Batcher:
     ) -> float | None:
         """Raise what :meth:`submit` would refuse a request of ``items`` with.
 
-        ``ahead_*`` count requests not queued yet that will be (a handler
-        model's requests in preprocessing), and ``ready_at`` is when this one
-        can join the queue (after its own preprocessing): a request that
-        would only be refused after that work is refused before it.
+        ``ahead_*`` count requests not queued yet that will be, and
+        ``ready_at`` is when this one can join the queue (both given by
+        :meth:`reserve`): a request that would only be refused after the work
+        ahead of the queue is refused before it.
         Returns when the measured latencies say it will be done, before any
         margin (None while nothing is measured): what its real time is
         compared with, to tell the margin how far predictions fall short.

@@ -74,10 +74,6 @@ class ModelRuntime(Runtime):
         self._make_engine = engine
         self._pool: ExecutorPool | ProcessPool | None = None
         self.batcher: Batcher | None = None
-        # Requests a stage before this one holds, that will be queued here once
-        # through it (a handler model's in preprocessing): admission counts them.
-        self._reserved_requests = 0
-        self._reserved_items = 0
 
     def not_ready_reason(self) -> str | None:
         """Why the model cannot take requests now, or None when it can.
@@ -248,19 +244,15 @@ class ModelRuntime(Runtime):
         """
         self.require_ready()
         assert self.batcher is not None
-        predicted = self.batcher.check_admission(
-            now, deadline, items,
-            ahead_requests=self._reserved_requests, ahead_items=self._reserved_items,
-            ready_at=ready_at,
-        )  # fmt: skip
-        return Reservation(self, items, predicted)
+        predicted = self.batcher.reserve(now, deadline, items, ready_at)
+        return Reservation(self.batcher, items, predicted)
 
     def answered_late(self, now: float, budget_s: float, ratio: float | None) -> None:
         """An answer from this runtime's batch reached its client late, or too near
         its deadline, after a stage behind the batch: admission was too optimistic
         (``ratio``: its real time over the predicted one, None when unknown)."""
         if self.batcher is not None:
-            self.batcher.margin.missed(now, budget_s, ratio)
+            self.batcher.answered_late(now, budget_s, ratio)
 
     # --- state seen by others -----------------------------------------------------
 
@@ -318,21 +310,18 @@ class ModelRuntime(Runtime):
 class Reservation:
     """A request admitted to a :class:`ModelRuntime` before it is queued there."""
 
-    __slots__ = ("_items", "_runtime", "predicted")
+    __slots__ = ("_batcher", "_items", "predicted")
 
-    def __init__(self, runtime: ModelRuntime, items: int, predicted: float | None) -> None:
-        self._runtime = runtime
+    def __init__(self, batcher: Batcher, items: int, predicted: float | None) -> None:
+        self._batcher = batcher  # the one it was reserved on, should the runtime's change
         self._items = items
         self.predicted = predicted
-        runtime._reserved_requests += 1
-        runtime._reserved_items += items
 
     def __enter__(self) -> Reservation:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._runtime._reserved_requests -= 1
-        self._runtime._reserved_items -= self._items
+        self._batcher.release(self._items)
 
 
 def tensor_metadata(runtime: Runtime, platform: str) -> dict[str, Any]:
