@@ -237,10 +237,14 @@ class admit_and_count:  # lower case: it reads as a function, `with admit_and_co
 
 
 def as_error(exc: Exception, what: str, request_id: str = "") -> AserveError:
-    """``exc`` as the error to answer: itself when it is an :class:`AserveError`;
-    anything else is a bug, not the client's fault: logged, answered INTERNAL."""
+    """``exc`` as the error to answer: itself, its traceback dropped, when it is an
+    :class:`AserveError`; anything else is a bug, not the client's fault: logged,
+    answered INTERNAL."""
     if isinstance(exc, AserveError):
-        return exc
+        # The client is told the message, not the traceback; kept with the error
+        # in a handler's local, the traceback would hold the handler's frame (and
+        # its request, megabytes maybe) in a cycle until the garbage collector runs.
+        return exc.with_traceback(None)
     log.exception("%s (request id %r) failed unexpectedly", what, request_id)
     return InternalError(f"internal error: {exc!r}")
 

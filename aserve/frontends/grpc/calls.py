@@ -52,3 +52,15 @@ class InFlight:
         self.count -= 1
         if self.count == 0:
             self.idle.set()
+
+
+def end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """End the call with ``code`` once the handler returns (a unary handler then
+    returns None: grpc sends no message with a status that is not OK).
+
+    Not ``context.abort()``: grpc.aio keeps its exception in a reference
+    cycle with the handler's frame, and so with the request (megabytes, for a
+    refused big tensor or prompt) until the garbage collector runs.
+    """
+    context.set_code(code)
+    context.set_details(message)

@@ -35,6 +35,7 @@ from aserve.frontends.common import (
     resolve_deadline,
     track_grpc,
 )
+from aserve.frontends.grpc.calls import end_call
 from aserve.frontends.status import GRPC_STATUS
 from aserve.loop.prompt_size import check_prompt_size
 from aserve.loop.runtimes.generation import (
@@ -63,17 +64,6 @@ def _status(exc: Exception, what: str) -> tuple[str, grpc.StatusCode, str]:
     """How a call ends for ``exc``: its error code, gRPC status and message."""
     error = as_error(exc, what)
     return error.code.value, GRPC_STATUS[error.code], error.message
-
-
-def _end_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-    """End the call with ``code`` once the handler returns.
-
-    Not ``context.abort()``: grpc.aio keeps its exception in a reference
-    cycle with the handler's frame, and so with the request (megabytes, for
-    a refused huge prompt) until the garbage collector runs.
-    """
-    context.set_code(code)
-    context.set_details(message)
 
 
 class GenerationServicer(apb_grpc.GenerationServicer):
@@ -111,7 +101,7 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                     req = runtime.generate(seq, timeout, request.id or None)
                 except Exception as exc:  # CancelledError is not an Exception: it propagates
                     call.status, code, message = _status(exc, "Generate")
-                    _end_call(context, code, message)
+                    end_call(context, code, message)
                     return
                 async with req:
                     try:
@@ -119,10 +109,10 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                             yield _response(request.id, delta)
                     except Exception as exc:
                         call.status, code, message = _status(exc, "Generate")
-                        _end_call(context, code, message)
+                        end_call(context, code, message)
                         return
         except AserveError as exc:  # refused: limits.max_connections or max_concurrency
-            _end_call(context, GRPC_STATUS[exc.code], exc.message)
+            end_call(context, GRPC_STATUS[exc.code], exc.message)
 
 
 def _prompt(

@@ -38,6 +38,7 @@ from aserve.frontends.common import (
     resolve_deadline,
     track_grpc,
 )
+from aserve.frontends.grpc.calls import end_call
 from aserve.frontends.grpc.generate import answer_decoupled
 from aserve.frontends.model_config import triton_config_message
 from aserve.frontends.status import GRPC_STATUS
@@ -58,17 +59,19 @@ _Response = TypeVar("_Response")
 _Handler = Callable[[Any, _Request, grpc.aio.ServicerContext], Awaitable[_Response]]
 
 
-def _unary(method: _Handler[_Request, _Response]) -> _Handler[_Request, _Response]:
+def _unary(method: _Handler[_Request, _Response]) -> _Handler[_Request, _Response | None]:
     """End the call with the error's gRPC status when ``method`` raises."""
 
     @functools.wraps(method)
-    async def handler(self: Any, request: _Request, context: grpc.aio.ServicerContext) -> _Response:
+    async def handler(
+        self: Any, request: _Request, context: grpc.aio.ServicerContext
+    ) -> _Response | None:
         try:
             return await method(self, request, context)
         except Exception as exc:  # CancelledError is not an Exception: it propagates
             error = as_error(exc, method.__name__, getattr(request, "id", ""))
-        await context.abort(GRPC_STATUS[error.code], error.message)
-        raise AssertionError("unreachable: abort raises")
+        end_call(context, GRPC_STATUS[error.code], error.message)
+        return None  # no message goes with an error status
 
     return handler
 
@@ -203,7 +206,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ModelInferResponse:
+    ) -> pb.ModelInferResponse | None:
         track_grpc(context, self._ctx.metrics.requests.access_log)
         try:
             served = functools.partial(self._served, request)
@@ -212,8 +215,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 return await self._infer(request, context.time_remaining())
         except Exception as exc:  # CancelledError is not an Exception: it propagates
             error = as_error(exc, "ModelInfer", request.id)
-        await context.abort(GRPC_STATUS[error.code], error.message)
-        raise AssertionError("unreachable: abort raises")
+        end_call(context, GRPC_STATUS[error.code], error.message)
+        return None  # no message goes with an error status
 
     async def ModelStreamInfer(
         self,
@@ -223,7 +226,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             self._calls.check_capacity()
         except AserveError as exc:
-            await context.abort(GRPC_STATUS[exc.code], exc.message)
+            end_call(context, GRPC_STATUS[exc.code], exc.message)
+            return
         self._calls.serving(context)
         await _Stream(self, context).run(request_iterator)
 
