@@ -23,6 +23,7 @@ class ErrorCode(enum.Enum):
     UNAVAILABLE = "unavailable"  # not ready, draining, or the deadline cannot be met
     DEADLINE_EXCEEDED = "deadline_exceeded"  # the request's deadline passed
     CANCELLED = "cancelled"  # the client went away or cancelled
+    REQUEST_TIMEOUT = "request_timeout"  # the client did not send its request body in time
     UNIMPLEMENTED = "unimplemented"  # a protocol feature aserve does not offer
     INTERNAL = "internal"  # the model or the server failed
 
@@ -67,6 +68,10 @@ class DeadlineExceeded(AserveError):
 
 class Cancelled(AserveError):
     code = ErrorCode.CANCELLED
+
+
+class RequestTimeout(AserveError):
+    code = ErrorCode.REQUEST_TIMEOUT
 
 
 class Unimplemented(AserveError):

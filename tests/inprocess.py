@@ -34,7 +34,8 @@ class InProcessServer:
 async def in_process(config: dict[str, Any], base_dir: Path) -> AsyncIterator[InProcessServer]:
     """Start a server on ``config`` (HTTP on a free loopback port; relative model
     paths resolve against ``base_dir``), ready when the block starts; stopped after."""
-    config = {"drain_grace_s": 0, **config, "http": {"host": "127.0.0.1", "port": 0}}
+    http = {**config.get("http", {}), "host": "127.0.0.1", "port": 0}
+    config = {"drain_grace_s": 0, **config, "http": http}
     server = Server(parse_config(json.loads(json.dumps(config))), base_dir)
     await server.start()
     try:

@@ -50,6 +50,10 @@ class HttpConfig(_Frozen):
     header_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
     """Time a new connection has to send its first complete request head
     (request line and headers); one that has not is closed."""
+    body_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 60.0
+    """Time a request has to send its whole body once its head is complete;
+    past it the request is answered 408 and its connection closed. (A body
+    trickled in holds a ``limits.max_concurrency`` slot while it is read.)"""
     keepalive_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 75.0
     """Time an idle kept-alive connection stays open after its last answer:
     longer than common load balancers' idle timeouts (60 s), so that they,

@@ -31,6 +31,8 @@ STATUS: Final[dict[ErrorCode, WireStatus]] = {
     ErrorCode.UNAVAILABLE: WireStatus(503, grpc.StatusCode.UNAVAILABLE),
     ErrorCode.DEADLINE_EXCEEDED: WireStatus(504, grpc.StatusCode.DEADLINE_EXCEEDED),
     ErrorCode.CANCELLED: WireStatus(499, grpc.StatusCode.CANCELLED),
+    # HTTP only (gRPC bounds a slow sender with its own flow control and the call's deadline).
+    ErrorCode.REQUEST_TIMEOUT: WireStatus(408, grpc.StatusCode.DEADLINE_EXCEEDED),
     ErrorCode.UNIMPLEMENTED: WireStatus(501, grpc.StatusCode.UNIMPLEMENTED),
     ErrorCode.INTERNAL: WireStatus(500, grpc.StatusCode.INTERNAL),
 }

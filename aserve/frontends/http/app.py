@@ -26,7 +26,7 @@ from aiohttp import web
 from aserve import __version__
 from aserve.codecs.v2 import decode_request, encode_response, json_object
 from aserve.codecs.validate import same_io
-from aserve.errors import AserveError, InvalidArgument, TooLarge, Unavailable
+from aserve.errors import AserveError, InvalidArgument, RequestTimeout, TooLarge, Unavailable
 from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, request_id, resolve_deadline
 from aserve.frontends.http.admin import add_admin_routes
 from aserve.frontends.http.auth import http_middleware, server_ssl_context
@@ -76,6 +76,8 @@ _DRAIN_POLL_S = 0.05  # how often a drain looks for idle connections to close
 # generation stream its final error event) before it is cancelled.
 CUT_OFF_S = 2.0
 MAX_BODY_KEY = web.AppKey("aserve_max_request_bytes", int)
+BODY_TIMEOUT_KEY = web.AppKey("aserve_body_timeout_s", float)
+CLOSE_AFTER_KEY = "aserve_close_after"  # on a request: its connection closes after the answer
 
 _json = json_response
 
@@ -93,6 +95,7 @@ class HttpFrontend:
             middlewares.append(http_middleware(ctx.api_keys, cfg.auth.open_paths))
         self._app = web.Application(client_max_size=self._max_body, middlewares=middlewares)
         self._app[MAX_BODY_KEY] = self._max_body
+        self._app[BODY_TIMEOUT_KEY] = cfg.http.body_timeout_s
         self._app.on_response_prepare.append(self._on_response_prepare)
         self._add_routes()
         self._runner = web.AppRunner(
@@ -195,7 +198,7 @@ class HttpFrontend:
         await self._runner.cleanup()
 
     async def _on_response_prepare(self, request: web.Request, response: Any) -> None:
-        if self._closing:
+        if self._closing or request.get(CLOSE_AFTER_KEY):
             response.force_close()  # aiohttp closes the connection after this answer
             response.headers["Connection"] = "close"  # headers are made before this hook runs
 
@@ -411,9 +414,18 @@ async def read_body(request: web.Request) -> bytes:
     read: an unsupported encoding, data that does not inflate, a body that ends
     early. aiohttp's own decompression is off: it answers bad data with a plain
     text 400 and a closed connection, or lets ``read()`` raise (a 500).
+    :class:`RequestTimeout` when it has not all arrived within ``http.body_timeout_s``
+    (the connection is closed after the answer).
     """
+    timeout_s = request.app[BODY_TIMEOUT_KEY]
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        request[CLOSE_AFTER_KEY] = True  # the rest of the body may still be coming
+        raise RequestTimeout(
+            f"request body not received within http.body_timeout_s ({timeout_s:g} s)"
+        ) from None
     except web.HTTPRequestEntityTooLarge as exc:
         raise TooLarge(f"request body is over the limit max_request_bytes ({exc.text})") from None
     except web.RequestPayloadError as exc:
