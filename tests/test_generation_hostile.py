@@ -384,8 +384,9 @@ async def test_overflow_streams_get_429_at_once_and_admitted_streams_complete(
 
 
 async def test_a_full_queue_refuses_before_the_prompt_is_tokenized(small: ServerProcess) -> None:
-    """With every slot and place in the queue taken, a request is refused 429
-    before its prompt is rendered and tokenized (under a retry storm that work,
+    """With every slot and place in the queue taken, a request (OpenAI
+    completions and chat, Triton generate) is refused 429 before its prompt is
+    rendered and tokenized (under a retry storm that work,
     per refusal, is loop time taken from the running streams). The witness: a
     prompt longer than max_model_len in tokens, which tokenizing would refuse
     with 400, gets the 429; once there is room it gets its 400."""
@@ -400,6 +401,7 @@ async def test_a_full_queue_refuses_before_the_prompt_is_tokenized(small: Server
             {"model": "gpt2", "messages": [{"role": "user", "content": long_text}],
              "max_tokens": 4, "stream": True},
         ),
+        ("/v2/models/gpt2/generate", {"text_input": long_text, "max_tokens": 4}),
     ]  # fmt: skip
     async with aiohttp.ClientSession() as session:
         await wait_gen(session, base, "gpt2", idle)

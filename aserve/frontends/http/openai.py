@@ -202,10 +202,6 @@ class OpenAIApi:
             else:
                 check_prompt_size(runtime.generation, prompt=body.get("prompt"))
             parsed = _parse(body, chat)
-            # A full queue refuses before the prompt is rendered and tokenized
-            # (most of a refusal's cost on the loop); generate() checks again.
-            if runtime.batcher is not None:
-                runtime.batcher.check_room()
             seq = await runtime.prepare(
                 parsed.params, prompt=parsed.prompt, messages=parsed.messages
             )
