@@ -20,7 +20,7 @@ import grpc
 import orjson
 import pytest
 from conftest import ServerProcess
-from gen_helpers import start_gpt2_server, wait_gen
+from gen_helpers import idle, start_gpt2_server, wait_gen
 from stall_watch import watch_loop
 
 from aserve._proto import aserve_pb2 as apb
@@ -381,3 +381,58 @@ async def test_overflow_streams_get_429_at_once_and_admitted_streams_complete(
             assert headers.get("Retry-After") == "1" and "max_queue_size" in text
         else:
             assert _sse_text(text) == want
+
+
+async def test_a_full_queue_refuses_before_the_prompt_is_tokenized(small: ServerProcess) -> None:
+    """With every slot and place in the queue taken, a request (OpenAI
+    completions and chat, Triton generate) is refused 429 before its prompt is
+    rendered and tokenized (under a retry storm that work,
+    per refusal, is loop time taken from the running streams). The witness: a
+    prompt longer than max_model_len in tokens, which tokenizing would refuse
+    with 400, gets the 429; once there is room it gets its 400."""
+    base = small.base
+    held_body = {"model": "gpt2", "prompt": "storm", "max_tokens": 8, "temperature": 0,
+                 "ignore_eos": True, "stream": True}  # fmt: skip
+    long_text = "a " * 200  # 400 bytes (under max_prompt_bytes), over 128 tokens
+    probes = [
+        ("/v1/completions", {"model": "gpt2", "prompt": long_text, "max_tokens": 4}),
+        (
+            "/v1/chat/completions",
+            {"model": "gpt2", "messages": [{"role": "user", "content": long_text}],
+             "max_tokens": 4, "stream": True},
+        ),
+        ("/v2/models/gpt2/generate", {"text_input": long_text, "max_tokens": 4}),
+    ]  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        await wait_gen(session, base, "gpt2", idle)
+        (child,) = small.spawned_children()
+        child.suspend()  # the first step stays in flight: slots and queue stay taken
+        try:
+            held = await asyncio.gather(
+                *(session.post(base + "/v1/completions", json=held_body) for _ in range(4))
+            )
+            await wait_gen(
+                session, base, "gpt2",
+                lambda s: s["generation"]["running_sequence_count"]
+                + s["generation"]["waiting_sequence_count"] == 4,
+            )  # fmt: skip
+            async with watch_loop(base):
+                full = []
+                for path, body in probes:
+                    async with session.post(base + path, json=body) as r:
+                        full.append((r.status, await r.text(), r.headers.get("Retry-After")))
+        finally:
+            child.resume()
+        for r in held:
+            assert r.status == 200
+            await r.read()
+        await wait_gen(session, base, "gpt2", idle)
+        room = []
+        for path, body in probes:
+            async with session.post(base + path, json=body) as r:
+                room.append((r.status, await r.text()))
+    for status, text, retry_after in full:
+        assert (status, retry_after) == (429, "1"), (status, text[:300])
+        assert "max_queue_size" in text, text[:300]
+    for status, text in room:
+        assert status == 400 and "max_model_len" in text, (status, text[:300])

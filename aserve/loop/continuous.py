@@ -228,14 +228,11 @@ class ContinuousBatcher:
 
     # --- requests in and out ----------------------------------------------------
 
-    def submit(
-        self,
-        sequence: Sequence,
-        prompt_tokens: int,
-        timeout_s: float,
-        client_id: str | None = None,
-    ) -> GenerationRequest:
-        """Queue a prepared sequence, or raise at once (QueueFull / Unavailable)."""
+    def check_room(self) -> None:
+        """Raise now what :meth:`submit` would for want of room (QueueFull, or
+        Unavailable while unloading), so that a frontend refuses before it
+        tokenizes: under a retry storm every refusal is loop time taken from
+        the running streams' steps and SSE writes."""
         if self._closed:
             raise Unavailable(f"model '{self.label}' is unloading")
         # Sequences that the next step admits into free slots are not queued:
@@ -247,6 +244,16 @@ class ContinuousBatcher:
                 f"model '{self.label}' queue is full: {len(self._waiting)} sequences waiting "
                 f"for a slot (generation.max_queue_size {self.max_queue_size}); retry later"
             )
+
+    def submit(
+        self,
+        sequence: Sequence,
+        prompt_tokens: int,
+        timeout_s: float,
+        client_id: str | None = None,
+    ) -> GenerationRequest:
+        """Queue a prepared sequence, or raise at once (QueueFull / Unavailable)."""
+        self.check_room()
         now = self._clock()
         channel = TokenChannel(self.buffer_chunks, on_resume=self._kick)
         req = GenerationRequest(

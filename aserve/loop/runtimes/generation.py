@@ -161,8 +161,9 @@ class GenerationRuntime(Runtime):
         """Tokenize ``prompt`` (or render ``messages`` with the chat template) and
         validate the request; :class:`InvalidArgument` names what is wrong.
 
-        Nothing is queued yet. The prompt's size is checked first
-        (:mod:`aserve.loop.prompt_size`). Short prompts are handled right here;
+        Nothing is queued yet, but a full queue refuses here already
+        (QueueFull), before any per-token work. The prompt's size is checked
+        first (:mod:`aserve.loop.prompt_size`). Short prompts are handled right here;
         long ones in a worker thread, tokenized with the GIL given up, so that
         the loop is not held up.
         """
@@ -170,6 +171,11 @@ class GenerationRuntime(Runtime):
         # out rather than through the base's state_reason(): it runs per request.)
         if self._engine is None or self.state is not ModelState.READY:
             raise Unavailable(not_ready(self.label, self.state.value))
+        # A full queue refuses before the prompt is rendered and tokenized: under
+        # a retry storm that work was most of a refusal's time on the loop,
+        # taken from the running streams. generate() checks again.
+        if self.batcher is not None:
+            self.batcher.check_room()
         check_prompt_size(self.generation, prompt, messages)
         size = (
             len(prompt)
