@@ -26,7 +26,6 @@ import orjson
 
 ACCESS = logging.getLogger("aserve.access")
 REQUEST_ID_HEADER = "X-Request-Id"
-REQUEST_ID_KEY = "aserve_request_id"  # the id, on an aiohttp request (SSE sends headers early)
 
 
 class RequestInfo:

@@ -34,7 +34,9 @@ from aserve.frontends.http.dashboard import add_dashboard_routes
 from aserve.frontends.http.drain import IdleCloser, take_queued
 from aserve.frontends.http.generate import add_generate_routes
 from aserve.frontends.http.kit import (
+    CLOSE_AFTER_KEY,
     JSON,
+    REQUEST_ID_KEY,
     RUNTIME_KEY,
     STATUS_KEY,
     Handler,
@@ -52,7 +54,7 @@ from aserve.frontends.model_config import triton_config_json
 from aserve.frontends.status import STATUS_LABELS, status_label
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES
 from aserve.obs.fd_limit import fds_in_use, open_file_limit
-from aserve.obs.logs import CURRENT, REQUEST_ID_HEADER, REQUEST_ID_KEY, RequestInfo
+from aserve.obs.logs import CURRENT, REQUEST_ID_HEADER, RequestInfo
 
 if TYPE_CHECKING:
     from aserve.context import FrontendContext
@@ -77,7 +79,6 @@ _DRAIN_POLL_S = 0.05  # how often a drain looks for idle connections to close
 CUT_OFF_S = 2.0
 MAX_BODY_KEY = web.AppKey("aserve_max_request_bytes", int)
 BODY_TIMEOUT_KEY = web.AppKey("aserve_body_timeout_s", float)
-CLOSE_AFTER_KEY = "aserve_close_after"  # on a request: its connection closes after the answer
 
 _json = json_response
 

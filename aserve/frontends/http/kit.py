@@ -26,8 +26,12 @@ from aserve.errors import AserveError, ErrorCode
 from aserve.frontends.common import Route
 from aserve.frontends.status import HTTP_STATUS
 
-RUNTIME_KEY: Final = "aserve_runtime"  # the runtime that served the request
-STATUS_KEY: Final = "aserve_status"  # a streamed request's error code, once it failed
+RUNTIME_KEY: Final = web.RequestKey("aserve_runtime", object)  # the runtime that served it
+STATUS_KEY: Final = web.RequestKey("aserve_status", str)  # a failed stream's error code
+# The request's id, on the request (SSE sends its headers early).
+REQUEST_ID_KEY: Final = web.RequestKey("aserve_request_id", str)
+# On a request: its connection closes after the answer.
+CLOSE_AFTER_KEY: Final = web.RequestKey("aserve_close_after", bool)
 JSON: Final = "application/json"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -30,7 +30,8 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-from aserve.obs.logs import REQUEST_ID_HEADER, REQUEST_ID_KEY
+from aserve.frontends.http.kit import REQUEST_ID_KEY
+from aserve.obs.logs import REQUEST_ID_HEADER
 
 DONE: Final = b"data: [DONE]\n\n"
 NDJSON: Final = "application/x-ndjson"
