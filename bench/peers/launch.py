@@ -237,6 +237,8 @@ def _aserve(ctx: Context, workload: str, variant: str) -> Plan:
         model = {
             "name": "minilm", "engine": "python", "handler": "aserve_minilm:MiniLMHandler",
             "parameters": {"model_dir": str(ctx.minilm_dir)}, "instances": 1,
+            # aserve sets the handler's torch threads after its load, as the peers' own.
+            "cpu_threads": ctx.torch_threads,
             # The model in a worker process: it never waits for the loop's GIL.
             "executor": "process",
             "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1]}],
