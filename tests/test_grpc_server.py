@@ -246,6 +246,7 @@ def test_status_table_is_one_for_both_frontends():
         ErrorCode.UNAVAILABLE: (503, grpc.StatusCode.UNAVAILABLE),
         ErrorCode.DEADLINE_EXCEEDED: (504, grpc.StatusCode.DEADLINE_EXCEEDED),
         ErrorCode.CANCELLED: (499, grpc.StatusCode.CANCELLED),
+        ErrorCode.REQUEST_TIMEOUT: (408, grpc.StatusCode.DEADLINE_EXCEEDED),
         ErrorCode.UNIMPLEMENTED: (501, grpc.StatusCode.UNIMPLEMENTED),
         ErrorCode.INTERNAL: (500, grpc.StatusCode.INTERNAL),
     }
