@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ import numpy as np
 import orjson
 import psutil
 import tritonclient.grpc as grpcclient
+
+from aserve.engines import builtin
 
 
 def v2_body(
@@ -108,3 +111,24 @@ def frozen(pid: int) -> Iterator[None]:
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def resolve_in_threads(name: str, count: int) -> list[Any]:
+    """Call the builtin model ``resolve(name)`` on ``count`` threads released together; their results."""
+    start = threading.Barrier(count, timeout=30)
+    results: list[Any] = [None] * count
+
+    def build(i: int) -> None:
+        start.wait()
+        try:
+            results[i] = builtin.resolve(name)
+        except Exception as exc:  # the test reports every builder's failure
+            results[i] = exc
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a builder never finished"
+    return results

@@ -21,32 +21,12 @@ from typing import Any
 import pytest
 import torch
 from conftest import spec, start_server, write_config
+from helpers import resolve_in_threads
 
 from aserve.engines import builtin as builtin_models
 
 BUILDERS = 4
 WRITE_GATE_S = 3.0  # how long a writer waits for the others before it renames anyway
-
-
-def _resolve_in_threads(count: int) -> list[Any]:
-    """Call ``resolve("affine")`` on ``count`` threads released together; their results."""
-    start = threading.Barrier(count, timeout=30)
-    results: list[Any] = [None] * count
-
-    def build(i: int) -> None:
-        start.wait()
-        try:
-            results[i] = builtin_models.resolve("affine")
-        except Exception as exc:  # the test reports every builder's failure
-            results[i] = exc
-
-    threads = [threading.Thread(target=build, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a builder never finished"
-    return results
 
 
 def test_threads_building_one_builtin_model_at_once(
@@ -66,7 +46,7 @@ def test_threads_building_one_builtin_model_at_once(
             pass  # the others wait for the lock, not here: go on
 
     monkeypatch.setattr(torch.jit.RecursiveScriptModule, "save", save_then_wait)
-    results = _resolve_in_threads(BUILDERS)
+    results = resolve_in_threads("affine", BUILDERS)
 
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, f"{len(errors)} of {BUILDERS} builders failed: {errors!r}"

@@ -23,6 +23,7 @@ import grpc
 import openai
 import pytest
 from conftest import start_server, write_config
+from helpers import resolve_in_threads
 
 from aserve._proto import aserve_pb2 as apb
 from aserve._proto import aserve_pb2_grpc as apb_grpc
@@ -135,22 +136,7 @@ def test_threads_building_it_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     patched = dataclasses.replace(builtin, write=write_then_wait)
     monkeypatch.setitem(builtin_models.BUILDERS, "tiny-gpt2", patched)
-    start = threading.Barrier(BUILDERS, timeout=30)
-    results: list[Any] = [None] * BUILDERS
-
-    def build(i: int) -> None:
-        start.wait()
-        try:
-            results[i] = builtin_models.resolve("tiny-gpt2")
-        except Exception as exc:  # the test reports every builder's failure
-            results[i] = exc
-
-    threads = [threading.Thread(target=build, args=(i,)) for i in range(BUILDERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a builder never finished"
+    results = resolve_in_threads("tiny-gpt2", BUILDERS)
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, f"{len(errors)} of {BUILDERS} builders failed: {errors!r}"
     assert len(set(results)) == 1
