@@ -140,6 +140,11 @@ def test_counters_match_the_requests_sent(metrics_server: ServerProcess) -> None
     ]
     counts = [v for _, v in sorted(buckets)]
     assert counts == sorted(counts)  # cumulative
+    # Sub-millisecond requests are resolved: the latency buckets start at 50 us.
+    for family in ("request", "queue", "compute"):
+        samples = m[f"aserve_{family}_duration_seconds_bucket"]
+        bounds = sorted(float(dict(k)["le"]) for k in samples if dict(k)["model"] == "affine")
+        assert bounds[:4] == [5e-05, 1e-04, 2.5e-04, 5e-04], family
     assert value(m, "aserve_config_reloads_total", result="ok") == 0
     assert "process_cpu_seconds_total" in m
     assert not any(name.startswith("aserve_gpu") for name in m)  # no NVML here
