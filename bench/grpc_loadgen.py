@@ -2,7 +2,10 @@
 
 ``concurrency`` coroutines each keep exactly one ``ModelInfer`` in flight
 over ``channels`` shared channels (coroutine ``i`` uses channel ``i %
-channels``). The request message is built once (inputs as
+channels``). With ``stream`` (``--stream``), each coroutine opens one
+``ModelStreamInfer`` call instead and keeps one request in flight on it: the
+same closed loop, without a call per request (how a high-rate client, or
+tritonclient's ``start_stream``/``async_stream_infer``, talks to a server). The request message is built once (inputs as
 ``raw_input_contents``) and sent again as soon as its answer arrives, so the
 per-request client work is grpc's own: serialising a prebuilt message and
 parsing the reply.
@@ -16,7 +19,7 @@ As a library: :func:`run_load`, :func:`infer_once`, :func:`build_request`,
 :func:`decode_fp32`. As a program::
 
     python -m bench.grpc_loadgen HOST:PORT --model NAME --values JSON \
-        [--concurrency N] [--duration S] [--warmup S] [--channels K] [--json]
+        [--concurrency N] [--duration S] [--warmup S] [--channels K] [--stream] [--json]
 """
 
 from __future__ import annotations
@@ -108,6 +111,36 @@ async def _worker(infer: Any, request: pb.ModelInferRequest, window: _Window) ->
             latencies.append(_perf_ns() - sent)
 
 
+async def _stream_worker(stub: Any, request: pb.ModelInferRequest, window: _Window) -> None:
+    latencies = window.latencies_ns
+    call = stub.ModelStreamInfer()
+    try:
+        while not window.stopping:
+            sent = _perf_ns()
+            try:
+                await call.write(request)
+                reply = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                if window.recording:
+                    window.errors += 1
+                    name = exc.code().name
+                    window.statuses[name] = window.statuses.get(name, 0) + 1
+                call = stub.ModelStreamInfer()  # the call is over: a new one
+                continue
+            if reply is grpc.aio.EOF or reply.error_message:
+                if window.recording:
+                    window.errors += 1
+                    name = "EOF" if reply is grpc.aio.EOF else "error_message"
+                    window.statuses[name] = window.statuses.get(name, 0) + 1
+                if reply is grpc.aio.EOF:
+                    call = stub.ModelStreamInfer()
+                continue
+            if window.recording:
+                latencies.append(_perf_ns() - sent)
+    finally:
+        call.cancel()
+
+
 async def run_load(
     target: str,
     request: pb.ModelInferRequest,
@@ -116,10 +149,12 @@ async def run_load(
     warmup_s: float = 2.0,
     *,
     channels: int = 1,
+    stream: bool = False,
     on_window_start: Callable[[], None] | None = None,
     on_window_end: Callable[[], None] | None = None,
 ) -> LoadResult:
-    """Drive ``target`` (HOST:PORT) with ``concurrency`` closed-loop ``ModelInfer`` callers.
+    """Drive ``target`` (HOST:PORT) with ``concurrency`` closed-loop ``ModelInfer`` callers
+    (one ``ModelStreamInfer`` call each with ``stream``).
 
     Returns :class:`bench.loadgen.LoadResult` (``error_statuses`` keyed by
     gRPC status name instead of HTTP code; ``connections_lost`` is always 0).
@@ -131,10 +166,16 @@ async def run_load(
         await asyncio.wait_for(chan.channel_ready(), 10)
     stubs = [pb_grpc.GRPCInferenceServiceStub(chan) for chan in chans]
     window = _Window()
-    workers = [
-        asyncio.create_task(_worker(stubs[i % len(stubs)].ModelInfer, request, window))
-        for i in range(concurrency)
-    ]
+    if stream:
+        workers = [
+            asyncio.create_task(_stream_worker(stubs[i % len(stubs)], request, window))
+            for i in range(concurrency)
+        ]
+    else:
+        workers = [
+            asyncio.create_task(_worker(stubs[i % len(stubs)].ModelInfer, request, window))
+            for i in range(concurrency)
+        ]
     try:
         elapsed, cpu = await timed_window(
             window, warmup_s, duration_s, on_window_start, on_window_end
@@ -189,8 +230,9 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     if args.expect is not None:
         check_outputs(first, json.loads(args.expect))
     result = await run_load(
-        args.target, request, args.concurrency, args.duration, args.warmup, channels=args.channels
-    )
+        args.target, request, args.concurrency, args.duration, args.warmup,
+        channels=args.channels, stream=args.stream,
+    )  # fmt: skip
     return result.as_dict()
 
 
@@ -206,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--channels", type=int, default=1)
     p.add_argument("--duration", "-d", type=float, default=10.0)
     p.add_argument("--warmup", "-w", type=float, default=2.0)
+    p.add_argument("--stream", action="store_true", help="one ModelStreamInfer call per caller")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:

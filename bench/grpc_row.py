@@ -7,7 +7,8 @@ ONE aserve process with HTTP and gRPC both on (one instance, ``cpu_threads``
 1, max batch 32, max delay 2 ms, preferred 8/16/32). At each concurrency the
 same server is driven first over HTTP (``bench.loadgen``, JSON body) and then
 over gRPC (``bench.grpc_loadgen``, ``ModelInfer`` with ``raw_input_contents``),
-both closed-loop and run in this process under uvloop, after checking one
+then over gRPC's streaming RPC (``ModelStreamInfer``, one call per caller,
+one request in flight on it), all closed-loop and run in this process under uvloop, after checking one
 answer of each protocol against the model itself. The server's process-tree
 CPU time is read at the edges of every window.
 
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from bench import grpc_loadgen, loadgen
+from bench import grpc_floor, grpc_loadgen, loadgen
 from bench.models import MODELS, default_cache_dir, expected_output, model_file, sample_input
 from bench.proctree import system_busy_seconds, tree_cpu_seconds
 from bench.report import cpu_model
@@ -105,24 +106,31 @@ async def _measure(
     grpc_loadgen.check_outputs(await grpc_loadgen.infer_once(grpc_target, request), expected)
     points: dict[str, Any] = {}
     for c in args.concurrency:
-        await asyncio.to_thread(wait_for_quiet, 0.15, 60.0)
+        await asyncio.to_thread(wait_for_quiet, 0.15, args.quiet_wait)
         edges = _Edges(pid)
         http = await loadgen.run_load(
             http_url, body, c, args.duration, args.warmup,
             on_window_start=edges.hook("start"), on_window_end=edges.hook("end"),
         )  # fmt: skip
         h = edges.add_to(http.as_dict())
-        await asyncio.to_thread(wait_for_quiet, 0.15, 60.0)
+        await asyncio.to_thread(wait_for_quiet, 0.15, args.quiet_wait)
         edges = _Edges(pid)
         grpc = await grpc_loadgen.run_load(
             grpc_target, request, c, args.duration, args.warmup, channels=args.channels,
             on_window_start=edges.hook("start"), on_window_end=edges.hook("end"),
         )  # fmt: skip
         g = edges.add_to(grpc.as_dict())
-        points[str(c)] = {"http": h, "grpc": g}
-        for proto, r in (("http", h), ("grpc", g)):
+        await asyncio.to_thread(wait_for_quiet, 0.15, args.quiet_wait)
+        edges = _Edges(pid)
+        streamed = await grpc_loadgen.run_load(
+            grpc_target, request, c, args.duration, args.warmup, channels=args.channels,
+            stream=True, on_window_start=edges.hook("start"), on_window_end=edges.hook("end"),
+        )  # fmt: skip
+        st = edges.add_to(streamed.as_dict())
+        points[str(c)] = {"http": h, "grpc": g, "grpc_stream": st}
+        for proto, r in (("http", h), ("grpc", g), ("stream", st)):
             print(
-                f"  c={c:<3d} {proto:4s} {r['rps']:8.0f} req/s  p50 {r['p50_ms']:.2f} ms  "
+                f"  c={c:<3d} {proto:6s} {r['rps']:8.0f} req/s  p50 {r['p50_ms']:.2f} ms  "
                 f"p99 {r['p99_ms']:.2f} ms  errors {r['errors']}  client cpu "
                 f"{r['client_cpu_util']:.0%}  server cpu {r['server_cpu_ms_per_request']:.3f} ms/req"
                 f"  other {r['other_cpu_util']:.2f} cores",
@@ -146,24 +154,27 @@ def render(results: dict[str, Any]) -> str:
         f"Each point: {results['warmup_s']} s warm-up, then {results['duration_s']} s measured; "
         "closed loop, one request in flight per connection (HTTP: `bench.loadgen`, JSON body, "
         f"one keep-alive connection per caller) or per coroutine (gRPC: `bench.grpc_loadgen`, "
-        f"`ModelInfer` with `raw_input_contents`, {results['channels']} channel(s)). Both load "
+        f"`ModelInfer` with `raw_input_contents`, {results['channels']} channel(s); "
+        "`ModelStreamInfer`: one call per coroutine, one request in flight on it). The load "
         "generators run in the bench process (uvloop) on the same 2 cores as the server; the "
         "first answer of each protocol was checked against the model.",
         "",
-        "| c | HTTP req/s | gRPC req/s | gRPC / HTTP | HTTP p50 ms | gRPC p50 ms | "
-        "HTTP p99 ms | gRPC p99 ms | errors (HTTP/gRPC) | server CPU ms/req (HTTP/gRPC) | "
-        "loadgen CPU (HTTP/gRPC) | other load, cores (HTTP/gRPC) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| c | protocol | req/s | / HTTP | p50 ms | p99 ms | errors | server CPU ms/req | "
+        "loadgen CPU | other load, cores |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    names = {"http": "HTTP", "grpc": "gRPC ModelInfer", "grpc_stream": "gRPC ModelStreamInfer"}
     for c, p in results["points"].items():
-        h, g = p["http"], p["grpc"]
-        lines.append(
-            f"| {c} | {h['rps']:.0f} | {g['rps']:.0f} | {g['rps'] / h['rps']:.2f} | "
-            f"{h['p50_ms']:.2f} | {g['p50_ms']:.2f} | {h['p99_ms']:.2f} | {g['p99_ms']:.2f} | "
-            f"{h['errors']}/{g['errors']} | {h['server_cpu_ms_per_request']:.3f}/"
-            f"{g['server_cpu_ms_per_request']:.3f} | {h['client_cpu_util']:.0%}/"
-            f"{g['client_cpu_util']:.0%} | {h['other_cpu_util']:.2f}/{g['other_cpu_util']:.2f} |"
-        )
+        base = p["http"]["rps"]
+        for proto, name in names.items():
+            r = p.get(proto)
+            if r is None:  # a run from before the streaming column
+                continue
+            lines.append(
+                f"| {c} | {name} | {r['rps']:.0f} | {r['rps'] / base:.2f} | {r['p50_ms']:.2f} | "
+                f"{r['p99_ms']:.2f} | {r['errors']} | {r['server_cpu_ms_per_request']:.3f} | "
+                f"{r['client_cpu_util']:.0%} | {r['other_cpu_util']:.2f} |"
+            )
     lines += [
         "",
         "Server CPU is the aserve process tree's user+system time in the window over the "
@@ -175,6 +186,23 @@ def render(results: dict[str, Any]) -> str:
         "machine busy during it.",
         "",
     ]
+    if results.get("floor"):
+        lines += [
+            "**The protocol floor** (`bench.grpc_floor`, run after the points above): echo "
+            "servers that do nothing but answer a 200-byte body, each in its own process, with "
+            "the same client shapes (gRPC: a generic handler on raw bytes, no protobuf on "
+            "either side). Server CPU per call is what the library alone spends on one call "
+            "of that shape.",
+            "",
+            "| c | echo server | calls/s | server CPU ms/call |",
+            "|---:|---|---:|---:|",
+        ]
+        for r in results["floor"]:
+            lines.append(
+                f"| {r['concurrency']} | {r['kind']} | {r['calls_per_s']:.0f} | "
+                f"{r['server_cpu_ms_per_call']:.3f} |"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -184,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--channels", type=int, default=1, help="gRPC channels shared by the callers")
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=60.0,
+        help="seconds to wait for a quiet machine per point",
+    )
     p.add_argument("--cache-dir", type=Path, default=None)
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent)
     args = p.parse_args(argv)
@@ -212,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         target = f"127.0.0.1:{grpc_port(server)}"
         url = f"{server.base_url}/v2/models/tiny/infer"
         points = runner(_measure(url, target, server.pid, values, expected, args))
+    floor = []
+    for c in args.concurrency:
+        for kind in grpc_floor.KINDS:
+            wait_for_quiet(0.15, args.quiet_wait)
+            floor.append(grpc_floor.measure(kind, c, args.duration, args.warmup))
+            print(f"  floor {floor[-1]}", file=sys.stderr, flush=True)
     results = {
         "facts": {
             "command": " ".join(["python -m bench.grpc_row", *(argv or sys.argv[1:])]),
@@ -230,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "channels": args.channels,
         "aserve_config": config,
         "points": points,
+        "floor": floor,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "results-grpc.json").write_text(json.dumps(results, indent=2) + "\n")
