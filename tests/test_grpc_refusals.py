@@ -26,7 +26,9 @@ def _kept_handler_frames() -> int:
     return sum(
         1
         for o in gc.get_objects()
-        if isinstance(o, types.FrameType) and o.f_code.co_name == "ModelInfer"
+        # type() rather than isinstance(): isinstance asks some objects (torch's lazy
+        # modules) for their __class__, which warns.
+        if type(o) is types.FrameType and o.f_code.co_name == "ModelInfer"
     )
 
 
