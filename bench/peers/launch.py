@@ -364,6 +364,44 @@ def _pytriton(ctx: Context, workload: str, variant: str) -> Plan:
                 health_url=f"{base}/v2/health/ready")  # fmt: skip
 
 
+def _mlserver(ctx: Context, workload: str, variant: str) -> Plan:
+    port = free_port()
+    folder = ctx.scratch / f"mlserver-{workload}"
+    model_dir = folder / workload
+    model_dir.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "host": "127.0.0.1", "http_port": port, "grpc_port": free_port(),
+        "metrics_port": free_port(),
+        "debug": False,  # its default, true, logs every request (uvicorn's access log)
+        "parallel_workers": 1,  # the model in one worker process (MLServer's default)
+        "metrics_dir": str(folder / "metrics"), "environments_dir": str(folder / "envs"),
+    }  # fmt: skip
+    (folder / "settings.json").write_text(json.dumps(settings, indent=2))
+    model = {
+        "name": workload, "implementation": "mlserver_app.BenchModel",
+        "max_batch_size": ctx.max_batch, "max_batch_time": ctx.max_wait_ms / 1e3,
+        "parameters": {"extra": {"workload": workload}},
+    }  # fmt: skip
+    (model_dir / "model-settings.json").write_text(json.dumps(model, indent=2))
+    bindir = ctx.venv_python["mlserver"].parent
+    argv = [str(bindir / "mlserver"), "start", str(folder)]
+    env = {**ctx.base_env(), "PYTHONPATH": str(APPS)}
+    base = f"http://127.0.0.1:{port}"
+    return Plan("mlserver", argv, f"{base}/v2/models/{workload}/infer", env,
+                health_url=f"{base}/v2/health/ready")  # fmt: skip
+
+
+def _mosec(ctx: Context, workload: str, variant: str) -> Plan:
+    port = free_port()
+    argv = [str(ctx.venv_python["mosec"]), str(APPS / "mosec_app.py"), "--workload", workload,
+            "--port", str(port), *_batch_args(ctx, variant), "--address", "127.0.0.1",
+            "--log-level", "warning"]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    # Its IPC sockets go to the scratch folder (a random name under the system's tmp else).
+    env = {**ctx.base_env(), "TMPDIR": str(ctx.scratch)}
+    return Plan("mosec", argv, f"{base}/inference", env, health_url=f"{base}/")
+
+
 # name -> (venv needed, plan builder, variant)
 SERVERS: dict[str, tuple[str | None, Callable[[Context, str, str], Plan], str]] = {
     "aserve": (None, _aserve, "default"),
@@ -372,6 +410,8 @@ SERVERS: dict[str, tuple[str | None, Callable[[Context, str, str], Plan], str]] 
     "ray": ("ray", _ray, "default"),
     "torchserve": ("torchserve", _torchserve, "default"),
     "pytriton": ("pytriton", _pytriton, "default"),
+    "mlserver": ("mlserver", _mlserver, "default"),
+    "mosec": ("mosec", _mosec, "default"),
     # The no-wait variants: on this CPU the stronger opponent at low and middle load.
     "pytriton-nowait": ("pytriton", _pytriton, "nowait"),
     "litserve-nowait": ("litserve", _litserve, "nowait"),

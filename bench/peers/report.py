@@ -229,6 +229,50 @@ def _failures(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def add_run(base: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``run`` kept beside it (``added``), not merged into its tables.
+
+    A run of a few servers (new peers, with aserve again as the reference) on
+    another day and load is not comparable row by row with the full run, so it
+    is shown in its own section with its own facts. An earlier added run of the
+    same servers is replaced; a full run (no ``--add``) drops them all.
+    """
+    run = {k: v for k, v in run.items() if k != "added"}
+    kept = [r for r in base.get("added", []) if set(r["servers"]) != set(run["servers"])]
+    return {**base, "added": [*kept, run]}
+
+
+def _demoted(lines: list[str]) -> list[str]:
+    return ["#" + x if x.startswith("#") else x for x in lines]
+
+
+def _added(run: dict[str, Any]) -> list[str]:
+    """One added run's section: its facts, then its tables one heading level down."""
+    f, v = run["facts"], run["versions"]
+    peers = [s for s in run["servers"] if not s.startswith("aserve")]
+    lines = [
+        f"## Added run: {', '.join(peers)} ({f['date_utc']})",
+        "",
+        f"Rows of a separate run: `{f['command']}` on {f['date_utc']} in {f['wall_s']:.0f} s, "
+        f"aserve from commit {f.get('aserve_source', 'unknown')}; load average before "
+        f"{f['loadavg_before']}, after {f['loadavg_after']}; busy cores just before the start: "
+        f"{f['busy_cores_at_start']}. Versions: "
+        + ", ".join(f"{k} {val}" for k, val in v.items())
+        + f"; torch {f['versions']['torch']}. Same settings and method as above; aserve ran "
+        "again in it so that these peers are compared with aserve under the same load: "
+        "compare these rows with each other, not with the tables above.",
+        "",
+    ]
+    body: list[str] = []
+    for key in ("1", "2"):
+        if key in run["workloads"]:
+            body += _unary(key, run["workloads"][key], run.get("ceiling") if key == "2" else None)
+    body += _ceiling(run.get("ceiling")) if "2" in run["workloads"] else []
+    body += _overload(run)
+    body += _failures(run)
+    return [*lines, *_demoted(body)]
+
+
 def render(results: dict[str, Any], notes: str) -> str:
     f, st, v = results["facts"], results["settings"], results["versions"]
     lines = [
@@ -264,7 +308,9 @@ def render(results: dict[str, Any], notes: str) -> str:
         f"server at a time. Batching: max batch {st['max_batch']}, max wait "
         f"{st['max_wait_ms']} ms (each peer's own knobs; '-nowait' rows: max wait 0); the "
         "plain aiohttp handler does not batch.",
-        "- Same request bytes for every server (KServe V2 JSON, one item), same load "
+        "- Same request bytes for every server (KServe V2 JSON, one item; the servers that "
+        "do not speak V2, LitServe, Ray Serve, TorchServe, Mosec and the plain handler, read "
+        "it as plain JSON at their own route and answer the same V2-shaped JSON), same load "
         "generator (`bench.loadgen`, its own process, closed loop: c keep-alive connections "
         f"with one request in flight each). Per point: {st['point_warmup']} s unrecorded, "
         f"then {st['duration']} s measured; before the points, a {st['warmup']} s warm-up at "
@@ -281,6 +327,8 @@ def render(results: dict[str, Any], notes: str) -> str:
     lines += _streaming(results["workloads"].get("3"))
     lines += _overload(results)
     lines += _failures(results)
+    for run in results.get("added", []):
+        lines += _added(run)
     lines += ["## Notes", "", notes, ""]
     return "\n".join(lines)
 

@@ -58,6 +58,20 @@ PEER_ENVS: dict[str, PeerEnv] = {
         ("nvidia-pytriton==0.7.0", "numpy<2", *TRANSFORMERS, "psutil"),
         "nvidia-pytriton",
     ),
+    # The Python V2 server KServe uses; its own venv for its web stack's pins. Its
+    # parallel worker calls asyncio.get_event_loop() with no loop set, which uvloop
+    # 0.22 made an error (the worker dies at start): the last uvloop before that.
+    "mlserver": PeerEnv(
+        "mlserver",
+        ("mlserver==1.7.1", "uvloop<0.22", *TRANSFORMERS, "psutil"),
+        "mlserver",
+    ),
+    # A Rust HTTP frontend with Python workers (one process each) and dynamic batching.
+    "mosec": PeerEnv(
+        "mosec",
+        ("mosec==0.9.8", *TRANSFORMERS, "psutil"),
+        "mosec",
+    ),
 }
 
 
