@@ -114,7 +114,9 @@ class ModelRuntime(Runtime):
         """Load the engine and start the instances and the batcher (not READY yet:
         warm up first); returns where the weights were."""
         path = await asyncio.to_thread(self.model_path)
-        engine = self._create_engine(path)
+        # In a thread: making the engine imports its runtime (torch, onnxruntime), a
+        # second or more that would hold the loop, and every other model's start.
+        engine = await asyncio.to_thread(self._create_engine, path)
         c = self.config
         if c.executor == "process":
             self._pool = await self._start_processes(engine, path)
