@@ -5,10 +5,14 @@ the server goes on serving."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from reload_helpers import copy_handler, wait_log
 
 from aserve.config import ConfigError, ModelConfig, parse_config
 from aserve.engines.python_handler import PythonHandlerEngine
+from aserve.loop.runtimes.handler import HandlerRuntime
 from aserve.workers.batch_process import ProcessPool, WorkerSpec
 from aserve.workers.job import BatchJob
 from aserve.workers.wire import WireError, pack_arrays, unpack_arrays
@@ -240,6 +245,133 @@ def test_a_worker_that_cannot_load_stops_the_start_with_its_reason(tmp_path: Pat
     assert (
         "model 'probe/1' failed to load: RuntimeError: cannot load in role infer" in done.stderr
     ), done.stderr
+
+
+def _launch(config: Path) -> ServerProcess:
+    """``python -m aserve`` on ``config`` without waiting for it to be ready (its
+    load is held at a gate): the log is pumped into the returned server."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aserve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    srv = ServerProcess(proc, 0)
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            srv.log.append(line)
+            m = re.search(r"listening on http://[^:]+:(\d+)", line)
+            if m and not srv.port:
+                srv.port = int(m.group(1))
+
+    threading.Thread(target=pump, daemon=True).start()
+    return srv
+
+
+async def _open_gate(gate: Path, timeout: float = 60.0) -> None:
+    """Let the front's load that waits on the FIFO ``gate`` go on (once it waits there)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
+            return
+        except OSError as exc:  # ENXIO: no reader yet
+            if exc.errno != errno.ENXIO or loop.time() > deadline:
+                raise
+        await asyncio.sleep(0.01)
+
+
+async def test_the_worker_processes_load_while_the_front_does(tmp_path: Path) -> None:
+    copy_handler(tmp_path, "worker_probe")
+    gate = tmp_path / "front-gate"
+    os.mkfifo(gate)
+    model = probe_model("probe", instances=2, parameters={"front_gate": str(gate)})
+    srv = _launch(write_config(tmp_path, {"models": [model]}))
+    released = False
+    try:
+        # Both workers load and come up while the front's load is held at the gate.
+        for i in range(2):
+            await asyncio.to_thread(wait_log, srv, f"worker process {i} of 'probe' is up", 60)
+        pids = {srv.worker_pid("probe", i) for i in range(2)}
+        assert pids == {p.pid for p in srv.spawned_children()}
+        assert srv.port, srv.log_text()  # bound before any model loads
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{srv.base}/v2/health/ready") as r:
+                assert r.status == 503  # the front is still loading
+            await _open_gate(gate)
+            released = True
+            await wait_ready(session, srv.base, "probe")
+            status, doc = await probe(session, srv.base, 1.5)
+        assert status == 200, doc
+        out = {o["name"]: o["data"] for o in doc["outputs"]}
+        assert out["Y"] == [3.0, 2.0] and out["PID"][0] in pids
+        assert {p.pid for p in srv.spawned_children()} == pids  # the same two, not new ones
+    finally:
+        if not released:
+            await _open_gate(gate, 5)
+        srv.stop()
+
+
+async def test_a_front_that_fails_stops_the_workers_it_started_beside_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="aserve.executor")
+    copy_handler(tmp_path, "worker_probe")
+    gate = tmp_path / "front-gate"
+    os.mkfifo(gate)
+    parameters = {"front_gate": str(gate), "fail_in": "front"}
+    runtime = HandlerRuntime(ModelConfig(**probe_model("probe", parameters=parameters)), tmp_path)
+    loading = asyncio.ensure_future(runtime.load())
+    try:
+        # The worker is up, the front is held at its gate: then the front fails.
+        for _ in range(6000):
+            up = [r.getMessage() for r in caplog.records if "is up (pid " in r.getMessage()]
+            if up or loading.done():
+                break
+            await asyncio.sleep(0.01)
+        assert up, "the worker never came up while the front was loading"
+        pid = int(up[0].rsplit("(pid ", 1)[1].rstrip(")"))
+        assert psutil.pid_exists(pid)
+    finally:
+        await _open_gate(gate, 60)
+    with pytest.raises(RuntimeError, match="cannot load in role front"):
+        await asyncio.wait_for(loading, 60)
+    # Nothing is left running: the worker that was up was stopped and reaped.
+    assert not psutil.pid_exists(pid)
+    assert runtime.worker_pids == []
+    await runtime.unload()  # as the server does after a failed load: a no-op now
+
+
+async def test_a_front_that_fails_while_its_worker_loads_stops_that_worker(
+    tmp_path: Path,
+) -> None:
+    import multiprocessing
+
+    copy_handler(tmp_path, "worker_probe")
+    gate, hold = tmp_path / "front-gate", tmp_path / "hold"
+    os.mkfifo(gate)
+    hold.touch()  # the worker's load waits while it exists: it is still loading
+    parameters = {"front_gate": str(gate), "fail_in": "front", "hold_load_while": str(hold)}
+    runtime = HandlerRuntime(ModelConfig(**probe_model("probe", parameters=parameters)), tmp_path)
+    loading = asyncio.ensure_future(runtime.load())
+    try:
+        for _ in range(6000):
+            children = multiprocessing.active_children()
+            if children or loading.done():
+                break
+            await asyncio.sleep(0.01)
+        assert children, "no worker process started while the front was loading"
+    finally:
+        await _open_gate(gate, 60)
+    try:
+        with pytest.raises(RuntimeError, match="cannot load in role front"):
+            await asyncio.wait_for(loading, 60)
+        assert multiprocessing.active_children() == []  # reaped (killed in its load)
+        assert not any(c.is_alive() for c in children)
+    finally:
+        hold.unlink()
 
 
 def test_wire_round_trip_and_refusals() -> None:

@@ -135,6 +135,22 @@ async def test_reload_asks_the_runtimes_own_class_what_applies_in_place(tmp_path
         assert runtimes[name].default_timeout_s == pytest.approx(0.007)
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
+async def test_the_engine_is_made_off_the_loop(tmp_path: Path, executor: str) -> None:
+    """Making an engine imports its runtime (torch: a second or more): on the loop it
+    held every other model's start and the listeners meanwhile."""
+    made_on: list[threading.Thread] = []
+
+    def engine(path: Path | None) -> Any:
+        made_on.append(threading.current_thread())
+        raise RuntimeError("no engine here")
+
+    config = _configs()["hand"].model_copy(update={"executor": executor})
+    with pytest.raises(RuntimeError, match="no engine here"):
+        await ModelRuntime(config, tmp_path, engine=engine).start()
+    assert made_on and made_on[0] is not threading.main_thread()
+
+
 def test_one_instance_group_for_cpu_and_gpu() -> None:
     assert instance_group("m", 2, "cpu") == {"name": "m", "count": 2, "kind": "KIND_CPU"}
     assert instance_group("m", 1, "cuda:1") == {

@@ -5,13 +5,17 @@ sleep instead of the backoff's waits."""
 from __future__ import annotations
 
 import asyncio
+import os
+import select
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 import supervised_child
+import uvloop
 
+from aserve.workers import supervisor
 from aserve.workers.supervisor import RESTART_BACKOFF_S, Supervisor, restart_delay
 
 pytestmark = pytest.mark.timeout(60)
@@ -166,3 +170,47 @@ async def test_stop_reads_the_answer_a_child_wrote_before_it_exited(tmp_path: Pa
     o.send(("echo", "last"))
     await o.sup.stop()
     assert o.messages[-1] == ["echo", 0, "last"] and o.lives == []
+
+
+@pytest.mark.parametrize(
+    "loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+def test_a_child_ready_before_its_pipe_is_watched_still_hands_the_stream_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, loop_factory: Any
+) -> None:
+    """The loop is held (as another model's ``import torch`` on the loop held it)
+    from just after the spawn until the child's ``ready`` is in the pipe: the
+    handshake and the first answer after it arrive in the first read, before the
+    start resumes. Every message after ``ready`` must still reach the owner (one
+    was dropped as "sent 'echo' before it was ready", and its batch never answered)."""
+    real_start = supervisor.start
+
+    def start_then_hold(*args: Any) -> Any:
+        proc, parent = real_start(*args)
+        fd = os.dup(parent.fileno())
+
+        def hold() -> None:  # runs on the loop, before the pipe's first read
+            try:
+                readable, _, _ = select.select([fd], [], [], 30)
+                assert readable, "the child never said ready"
+            finally:
+                os.close(fd)
+
+        asyncio.get_running_loop().call_soon(hold)
+        return proc, parent
+
+    monkeypatch.setattr(supervisor, "start", start_then_hold)
+
+    async def scenario() -> None:
+        o = Owner(tmp_path, ["ok"])
+        await asyncio.wait_for(o.sup.start(), 30)
+        try:
+            o.send(("echo", "first"))
+            o.send(("die",))  # the echo is written before the EOF, so read before it
+            await o.until(1)
+            assert o.messages == [["ready", 0], ["echo", 0, "first"]]
+        finally:
+            await o.sup.stop()
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(scenario())

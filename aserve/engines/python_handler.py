@@ -202,6 +202,26 @@ def import_handler(spec: str, base_dir: Path) -> type:
     return cls
 
 
+def set_torch_threads(count: int) -> None:
+    """On the calling thread: torch's intra-op threads (``cpu_threads``), if torch is in use.
+
+    Only when torch is imported in this process already (by the handler's
+    module or its ``load``, or another model): importing it here would cost
+    a handler that does not use it a second or more and a few hundred MB per
+    process, for a setting that means nothing to it. Per thread, as in the
+    torch engine: torch keeps the count per thread, so each thread that runs
+    the handler sets it.
+    """
+    if "torch" not in sys.modules:
+        return
+    # The import statement, not sys.modules: while another thread (another model's
+    # load) is still importing torch, this waits for it to finish rather than see
+    # a half-initialized module.
+    import torch
+
+    torch.set_num_threads(count)
+
+
 def _mtime(module: ModuleType) -> int:
     path = getattr(module, "__file__", None)
     try:
@@ -251,6 +271,11 @@ class PythonHandlerEngine(Engine):
         handler = cls()
         handler.load(context)
         self.handler = handler
+
+    def create_instance(self, index: int) -> Any:
+        # On the thread (or in the worker process) that runs infer, after load.
+        set_torch_threads(self.config.cpu_threads)
+        return None
 
     def stack_inputs(self, parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         if len(parts) == 1:

@@ -114,11 +114,20 @@ class ProcessPool:
         return [pid for c in self._children if (pid := c.sup.pid) is not None]
 
     async def start(self) -> None:
-        """Start every child; returns once each has loaded the model (or raises why not)."""
+        """Start every child; returns once each has loaded the model (or raises why not).
+
+        Cancelled (the model's front failed to load meanwhile), it stops the
+        children already up; those still loading are reaped by their own start.
+        """
         self._loop = asyncio.get_running_loop()
-        results = await asyncio.gather(
-            *(c.sup.start() for c in self._children), return_exceptions=True
-        )
+        try:
+            results = await asyncio.gather(
+                *(c.sup.start() for c in self._children), return_exceptions=True
+            )
+        except asyncio.CancelledError:
+            # The gather ends only once every start has ended (reaped its child).
+            await self.stop()
+            raise
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             await self.stop()

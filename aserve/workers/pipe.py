@@ -88,16 +88,24 @@ class PipeChannel(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
+    async def connect(self, conn: Connection) -> None:
+        """Take over ``conn`` (the server's end of a ``Pipe(duplex=True)``: a socket) on the loop.
+
+        ``conn`` is closed; the channel owns a duplicate of its socket. Messages
+        may reach ``on_message`` before this returns: uvloop reads what the child
+        wrote already in the same loop iteration as ``connection_made``, before
+        the awaiting coroutine resumes. A caller that must know the channel when
+        its first message comes holds it before connecting (see Supervisor).
+        """
+        sock = socket.socket(fileno=os.dup(conn.fileno()))
+        conn.close()
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: self, sock)
+
 
 async def open_channel(
     conn: Connection, on_message: Callable[[bytes], None], on_closed: Callable[[], None]
 ) -> PipeChannel:
-    """Take over ``conn`` (the server's end of a ``Pipe(duplex=True)``: a socket) on the loop.
-
-    ``conn`` is closed; the channel owns a duplicate of its socket.
-    """
-    sock = socket.socket(fileno=os.dup(conn.fileno()))
-    conn.close()
+    """A :class:`PipeChannel` that has taken over ``conn`` (see :meth:`PipeChannel.connect`)."""
     channel = PipeChannel(on_message, on_closed)
-    await asyncio.get_running_loop().connect_accepted_socket(lambda: channel, sock)
+    await channel.connect(conn)
     return channel

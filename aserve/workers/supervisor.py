@@ -39,7 +39,7 @@ from typing import Any
 
 import msgpack
 
-from aserve.workers.pipe import PipeChannel, open_channel
+from aserve.workers.pipe import PipeChannel
 
 log = logging.getLogger("aserve.executor")
 
@@ -167,10 +167,18 @@ class Supervisor:
         proc, parent = start(self._target, self._args, self._proc_name)
         self._proc, self.fatal = proc, ""
         self._ready = ready = loop.create_future()
+        # The channel is ours before it is connected: its first message (the
+        # handshake) may be read before connect() returns, and the handshake hands
+        # the stream on to the owner through self.channel. Set after the await, it
+        # was still None then when the loop had been held while the child loaded
+        # (another model's import on the loop): the owner's messages kept coming
+        # here and were dropped, and their batches never answered.
+        self.channel = channel = PipeChannel(self._on_payload, self._on_closed)
         try:
             try:
-                self.channel = await open_channel(parent, self._on_payload, self._on_closed)
+                await channel.connect(parent)
             except BaseException:
+                self.channel = None
                 parent.close()
                 await asyncio.to_thread(reap, proc, 5.0)  # it exits on EOF
                 raise

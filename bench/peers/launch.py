@@ -58,6 +58,7 @@ class Plan:
     headers: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 240.0
     notes: list[str] = field(default_factory=list)
+    cwd: Path = REPO  # where it starts (for aserve: which tree's code runs)
 
 
 class Running:
@@ -78,7 +79,7 @@ class Running:
         self._log = log_path.open("w")
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(
-            plan.argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            plan.argv, cwd=plan.cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         self.peak_rss = 0
@@ -237,8 +238,10 @@ def _aserve(ctx: Context, workload: str, variant: str) -> Plan:
         model = {
             "name": "minilm", "engine": "python", "handler": "aserve_minilm:MiniLMHandler",
             "parameters": {"model_dir": str(ctx.minilm_dir)}, "instances": 1,
+            # aserve sets the handler's torch threads after its load, as the peers' own.
+            "cpu_threads": ctx.torch_threads,
             # The model in a worker process: it never waits for the loop's GIL.
-            "executor": "process",
+            "executor": "thread" if variant == "thread" else "process",
             "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1]}],
             "outputs": [{"name": "EMBEDDING", "datatype": "FP32", "shape": [384]}],
             "batching": batching,
@@ -418,6 +421,7 @@ SERVERS: dict[str, tuple[str | None, Callable[[Context, str, str], Plan], str]] 
     "ray-nowait": ("ray", _ray, "nowait"),
     "torchserve-nowait": ("torchserve", _torchserve, "nowait"),
     "aserve-nowait": (None, _aserve, "nowait"),
+    "aserve-thread": (None, _aserve, "thread"),  # MiniLM's infer on a thread, not a process
 }
 
 

@@ -8,7 +8,9 @@ method to the wrong process fails the request. A batch holding -999 raises
 ``SystemExit`` in ``infer``; one holding -777 kills its process outright.
 ``parameters["fail_in"]`` names a role whose ``load`` raises; while the file
 ``parameters["hold_load_while"]`` exists, ``load`` in a worker waits (a test
-holds a restarting worker back with it).
+holds a restarting worker back with it). With ``parameters["front_gate"]``
+(a FIFO), the front's ``load`` first blocks opening it until the test opens
+its other end (before it raises for ``fail_in``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ EXIT, KILL = -999.0, -777.0
 class Probe:
     def load(self, context):
         self.role = context.role
+        gate = context.parameters.get("front_gate")
+        if gate and self.role == "front":
+            with open(gate, "rb"):  # returns once the test opens the FIFO for writing
+                pass
         if context.parameters.get("fail_in") == self.role:
             raise RuntimeError(f"cannot load in role {self.role}")
         hold = context.parameters.get("hold_load_while")

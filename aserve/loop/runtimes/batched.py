@@ -114,25 +114,55 @@ class ModelRuntime(Runtime):
         """Load the engine and start the instances and the batcher (not READY yet:
         warm up first); returns where the weights were."""
         path = await asyncio.to_thread(self.model_path)
-        engine = self._create_engine(path)
+        # In a thread: making the engine imports its runtime (torch, onnxruntime), a
+        # second or more that would hold the loop, and every other model's start.
+        engine = await asyncio.to_thread(self._create_engine, path)
         c = self.config
         if c.executor == "process":
-            await asyncio.to_thread(engine.load_front)
-            spec = WorkerSpec(
-                c, None if path is None else str(path), str(self._base_dir), self.gpu.model_dump()
-            )
-            self._pool = ProcessPool(spec, engine, c.instances, self.name)
+            self._pool = await self._start_processes(engine, path)
         else:
             await asyncio.to_thread(engine.load)
             self._pool = ExecutorPool(engine, c.instances, self.name)
+            try:
+                await self._pool.start()
+            except BaseException:
+                await asyncio.to_thread(engine.unload)
+                raise
         self._serve_specs_of(engine.config)
+        self.batcher = Batcher(self.label, self.config.batching, self._pool, self.stats)
+        return path
+
+    async def _start_processes(self, engine: Engine, path: Path | None) -> ProcessPool:
+        """Load the server's side of the engine (``load_front``) and start the worker
+        processes at the same time; returns the pool once both are done.
+
+        The children spawn, import torch and the user's module and load the
+        weights while the front loads (a tokenizer, say) in a thread: a cold
+        start costs the longer of the two, not their sum. A failure is the
+        same as one after the other: a front that fails stops the workers
+        (started or still starting) and fails with its own error; a worker
+        that fails unloads the front and fails with the worker's.
+        """
+        c = self.config
+        where = None if path is None else str(path)
+        spec = WorkerSpec(c, where, str(self._base_dir), self.gpu.model_dump())
+        pool = ProcessPool(spec, engine, c.instances, self.name)
+        workers = asyncio.ensure_future(pool.start())
         try:
-            await self._pool.start()
+            await asyncio.to_thread(engine.load_front)
+        except BaseException:
+            # Still starting: cancelled, the pool's start stops what it started.
+            # Started already: stopped here.
+            workers.cancel()
+            await asyncio.gather(workers, return_exceptions=True)
+            await pool.stop()
+            raise
+        try:
+            await workers
         except BaseException:
             await asyncio.to_thread(engine.unload)
             raise
-        self.batcher = Batcher(self.label, self.config.batching, self._pool, self.stats)
-        return path
+        return pool
 
     def serving(self, path: Path | None, t0: float) -> None:
         """Started and warmed up (since ``perf_counter()`` ``t0``): READY."""

@@ -33,6 +33,7 @@ from aserve.engines.python_handler import (
     HandlerRequest,
     Part,
     PythonHandlerEngine,
+    set_torch_threads,
 )
 from aserve.errors import (
     AserveError,
@@ -65,8 +66,13 @@ class HandlerRuntime(Runtime):
         # Pre- and post-processing are per request and may be slow (decoding an
         # image): a few threads of the model's own keep them off the loop
         # without competing with other models' work in the default executor.
+        # Each sets torch's intra-op threads (cpu_threads) as it starts, which is after
+        # the handler's load: the first runs warm-up's preprocess.
         self._threads = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(2, 2 * config.instances), thread_name_prefix=f"aserve-{self.name}-py"
+            max_workers=max(2, 2 * config.instances),
+            thread_name_prefix=f"aserve-{self.name}-py",
+            initializer=set_torch_threads,
+            initargs=(config.cpu_threads,),
         )
         self.inflight = 0  # requests between entering infer() and their answer
         self._workers = max(2, 2 * config.instances)
