@@ -95,7 +95,8 @@ async def test_a_staged_batch_grows_until_taken_then_runs_as_the_next_batch() ->
         await _passes()
         assert len(pool.jobs) == 1 and len(pool.staged) == 1  # all busy: staged
         staged = pool.staged[0]
-        assert staged.job.size == 2 and batcher.pending == 0 and batcher.running == 2
+        # Staged requests still wait: counted pending, not running.
+        assert staged.job.size == 2 and batcher.pending == 2 and batcher.running == 1
 
         batcher.submit(reqs[2])
         await _passes()
@@ -104,7 +105,7 @@ async def test_a_staged_batch_grows_until_taken_then_runs_as_the_next_batch() ->
             batcher.submit(req)
         await _passes()
         # Full (max_batch_size 4): the sixth waits in the queue.
-        assert staged.job.size == 4 and batcher.pending == 2 and len(pool.staged) == 1
+        assert staged.job.size == 4 and batcher.pending == 6 and len(pool.staged) == 1
 
         # The instance frees up and takes the staged batch before the loop hears of it.
         assert staged.take() is staged.job
@@ -113,7 +114,7 @@ async def test_a_staged_batch_grows_until_taken_then_runs_as_the_next_batch() ->
         assert first.future.result()["Y"].tolist() == [[2.0]]
         # Known to run now; the rest staged behind it.
         assert len(pool.staged) == 2 and pool.staged[1].job.size == 2
-        assert batcher.running == 2 and batcher.pending == 0
+        assert batcher.running == 1 and batcher.pending == 2
 
         _answer(staged.job)
         await _passes()
@@ -173,7 +174,7 @@ async def test_a_more_urgent_request_takes_the_staged_batch_back() -> None:
         assert not staged.open and staged.take() is None  # taken back: no instance runs it
         again = pool.staged[1]
         assert [r.future for r in again.job.requests] == [urgent.future, late[0].future]
-        assert batcher.pending == 1  # the 61 s one waits
+        assert batcher.pending == 3  # two staged, and the 61 s one in the queue
 
         assert again.take() is again.job
         _answer(pool.jobs[0])
@@ -234,7 +235,7 @@ async def test_the_instance_runs_the_staged_batch_without_the_loop() -> None:
         second = _request(2.0)
         batcher.submit(second)
         await _passes()
-        assert batcher.running == 2 and batcher.pending == 0  # staged behind the first
+        assert batcher.running == 1 and batcher.pending == 1  # staged behind the first
         # The loop is held here, in this callback, until the second batch starts:
         # only an instance that takes the next batch by itself can start it.
         engine.release.set()

@@ -141,13 +141,15 @@ class Batcher:
 
     @property
     def pending(self) -> int:
-        """Requests waiting in the queue."""
-        return self._queued_requests
+        """Requests waiting: in the queue, or in a staged batch no instance has taken
+        (as far as the loop knows)."""
+        staged = self._staged
+        return self._queued_requests + (0 if staged is None else len(staged.requests))
 
     @property
     def running(self) -> int:
-        """Batches in executors (a staged one included)."""
-        return len(self._running) + (self._staged is not None)
+        """Batches in executors (not a staged one)."""
+        return len(self._running)
 
     @property
     def idle(self) -> bool:
@@ -288,11 +290,28 @@ class Batcher:
         return predicted
 
     def forget(self, req: InferenceRequest) -> None:
-        """The client went away: take ``req`` out of the queue (its future is already done)."""
+        """The client went away: take ``req`` out of the queue, or out of the staged
+        batch while no instance has taken it (its future is already done)."""
         if req.queued:
             self._unqueue(req)
             self._stats.cancelled += 1
             self._compact()
+            return
+        running = self._staged
+        if running is None or running.staged is None or req not in running.requests:
+            return
+        with running.staged.lock:
+            if not running.staged.open:
+                return  # running: it ends with its batch, as in any running batch
+            at = running.requests.index(req)
+            del running.requests[at], running.parts[at]
+            running.size -= req.batch_size
+            self._stats.cancelled += 1
+            if not running.requests:  # nothing left to run
+                running.staged.retract()
+                self._staged = None
+                if running.timer is not None:
+                    running.timer.cancel()
 
     def _unqueue(self, req: InferenceRequest) -> None:
         req.queued = False
@@ -611,10 +630,12 @@ class Batcher:
             if req.future.done():
                 continue
             if req.deadline <= now:
-                self._time_out(req, now, now, (
-                    f"request timed out after {(now - req.arrival) * 1e3:.1f} ms; the model "
-                    f"'{self.label}' was still running its batch"
-                ))  # fmt: skip
+                waited = f"request timed out after {(now - req.arrival) * 1e3:.1f} ms"
+                if running is self._staged:  # (as far as the loop knows) not started yet
+                    message = f"{waited} waiting in the queue of '{self.label}'"
+                else:
+                    message = f"{waited}; the model '{self.label}' was still running its batch"
+                self._time_out(req, now, now, message)
             else:
                 later = req.deadline if later is None else min(later, req.deadline)
         running.timer = (
@@ -666,7 +687,8 @@ class Batcher:
     # --- shutdown -------------------------------------------------------------
 
     def close(self) -> None:
-        """Refuse new requests and answer every queued one as unavailable."""
+        """Refuse new requests and answer every waiting one (queued, or in a staged
+        batch no instance took) as unavailable."""
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
@@ -676,6 +698,16 @@ class Batcher:
             if req.queued:
                 self._unqueue(req)
                 _fail(req, error)
+        running = self._staged
+        if running is not None and running.staged is not None:
+            with running.staged.lock:
+                if running.staged.open:  # no instance took it: its requests were waiting
+                    running.staged.retract()
+                    self._staged = None
+                    if running.timer is not None:
+                        running.timer.cancel()
+                    for req in running.requests:
+                        _fail(req, error)
         self._heap.clear()
         self._fifo.clear()
 
