@@ -19,6 +19,14 @@ carries them out:
 - ``_pump`` runs the policy whenever something changes: an arrival (coalesced
   with ``call_soon``, so requests parsed in the same loop pass batch
   together), a finished batch, or a timer.
+- **The next batch, staged.** While every instance is busy, an executor that
+  can (:class:`~aserve.workers.job.Staging`: the thread pool) is handed the
+  batch the policy would cut if an instance were free, and the first
+  instance to free up runs it at once, without waiting for the loop's turn.
+  Until an instance takes it, each pump grows it from the queue (earliest
+  deadlines first, as a batch cut then would be) or, when a queued request
+  is more urgent than one in it that it cannot join, takes it back and cuts
+  again: it is always the batch the loop would cut at that pump.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from aserve.sched.policy import (
     plan,
     predicted_finish,
 )
-from aserve.workers.job import BatchJob, Executor
+from aserve.workers.job import BatchJob, Executor, Staged, Staging
 
 log = logging.getLogger("aserve.batcher")
 
@@ -67,6 +75,9 @@ class _Running(BatchJob):
         self.started = started
         self.expected_end = expected_end
         self.timer: asyncio.TimerHandle | None = None
+        # While staged (see the module docstring): its record with the pool, and
+        # the shape and deadline bounds the pumps grow it under.
+        self.staged: Staged | None = None
 
 
 class Batcher:
@@ -105,6 +116,8 @@ class Batcher:
         self._reserved_items = 0
         self._queued_items = 0
         self._running: set[_Running] = set()
+        self._stager = pool if isinstance(pool, Staging) else None
+        self._staged: _Running | None = None  # a batch staged and not known to be running
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._pump_soon = False
@@ -114,8 +127,9 @@ class Batcher:
     @property
     def _free(self) -> int:
         """Instances free for a batch: the live ones (a dead one's restart does not
-        count) less the batches out. Below 0 while a dead instance's batch is out."""
-        return self._pool.live - len(self._running)
+        count) less the batches out, a staged one included. Below 0 while a dead
+        instance's batch is out, or a batch is staged behind busy instances."""
+        return self._pool.live - len(self._running) - (self._staged is not None)
 
     def _on_live(self) -> None:
         """An instance died or came back: a batch may run now that could not."""
@@ -127,17 +141,19 @@ class Batcher:
 
     @property
     def pending(self) -> int:
-        """Requests waiting in the queue."""
-        return self._queued_requests
+        """Requests waiting: in the queue, or in a staged batch no instance has taken
+        (as far as the loop knows)."""
+        staged = self._staged
+        return self._queued_requests + (0 if staged is None else len(staged.requests))
 
     @property
     def running(self) -> int:
-        """Batches in executor threads."""
+        """Batches in executors (not a staged one)."""
         return len(self._running)
 
     @property
     def idle(self) -> bool:
-        return self._queued_requests == 0 and not self._running
+        return self._queued_requests == 0 and not self._running and self._staged is None
 
     # --- requests in ----------------------------------------------------------
 
@@ -238,6 +254,9 @@ class Batcher:
             ahead_deadline = min(self._fresh_until, deadline)
             if self._heap and self._heap[0].queued:  # (not a stale entry of earlier work)
                 ahead_deadline = min(ahead_deadline, self._heap[0].deadline)
+        staged = self._staged
+        if staged is not None:
+            ahead_items += staged.size  # it runs before anything queued now
         finish = predicted_finish(
             start, self._queued_items + ahead_items, items, self._pool.live,
             first_free, self.limits, high, deadline, ahead_deadline,
@@ -271,11 +290,28 @@ class Batcher:
         return predicted
 
     def forget(self, req: InferenceRequest) -> None:
-        """The client went away: take ``req`` out of the queue (its future is already done)."""
+        """The client went away: take ``req`` out of the queue, or out of the staged
+        batch while no instance has taken it (its future is already done)."""
         if req.queued:
             self._unqueue(req)
             self._stats.cancelled += 1
             self._compact()
+            return
+        running = self._staged
+        if running is None or running.staged is None or req not in running.requests:
+            return
+        with running.staged.lock:
+            if not running.staged.open:
+                return  # running: it ends with its batch, as in any running batch
+            at = running.requests.index(req)
+            del running.requests[at], running.parts[at]
+            running.size -= req.batch_size
+            self._stats.cancelled += 1
+            if not running.requests:  # nothing left to run
+                running.staged.retract()
+                self._staged = None
+                if running.timer is not None:
+                    running.timer.cancel()
 
     def _unqueue(self, req: InferenceRequest) -> None:
         req.queued = False
@@ -299,6 +335,8 @@ class Batcher:
         self._pump_soon = False
         now = self._clock()
         self._expire_queued(now)
+        if self._staged is not None:
+            self._restage(now)
         wake_at: float | None = None
         while self._queued_requests and self._free > 0:
             fifo = self._fifo
@@ -313,10 +351,131 @@ class Batcher:
                 wake_at = decision.wake_at
                 break
             self._dispatch(self._form(decision.take, now), now)
+        if (
+            self._stager is not None
+            and self._staged is None
+            and self._queued_requests
+            and self._free <= 0
+            and self._pool.live > 0
+            and self._stager.can_stage()
+        ):
+            self._stage(now)
         self._compact()
         if not self._running and not self._queued_requests:
             self._quiet_since = now
         self._arm_timer(wake_at)
+
+    def _stage(self, now: float) -> None:
+        """Every instance is busy: stage the batch the policy would cut the moment
+        the first one frees up (its expected end), if it would cut one then."""
+        assert self._stager is not None
+        fifo = self._fifo
+        while not fifo[0].queued:
+            fifo.popleft()
+        heap = self._heap
+        while not heap[0].queued:
+            heapq.heappop(heap)
+        start = max(now, min((r.expected_end for r in self._running), default=now))
+        view = QueueView(self._queued_items, fifo[0].arrival, heap[0].deadline)
+        decision = plan(start, view, 1, self.limits, self.latency.estimate,
+                        self._rate.per_second(now))  # fmt: skip
+        if decision.take == 0:
+            return  # it would wait for more then: the batch is cut when it frees up
+        picked = self._form(decision.take, now)
+        size = sum(r.batch_size for r in picked)
+        running = _Running(picked, size, now, start + self.latency.estimate(size), self._on_done)
+        earliest = min(r.deadline for r in picked)
+        running.timer = self._loop.call_later(earliest - now, self._expire_running, running)
+        self._staged = running
+        running.staged = self._stager.stage(running)
+
+    def _restage(self, now: float) -> None:
+        """Bring the staged batch up to date: running already (an instance took it),
+        grown from the queue, or taken back to be cut again."""
+        running = self._staged
+        assert running is not None and running.staged is not None
+        staged = running.staged
+        with staged.lock:
+            if not staged.open:  # an instance runs it
+                self._staged = None
+                running.staged = None
+                self._started_staged(running, staged)
+                return
+            if not self._queued_requests:
+                return
+            heap = self._heap
+            while heap and not heap[0].queued:
+                heapq.heappop(heap)
+            if not heap:
+                return
+            key = running.requests[0].shape_key
+            latest = max(r.deadline for r in running.requests)
+            earliest = min(r.deadline for r in running.requests)
+            start = max(now, min((r.expected_end for r in self._running), default=now))
+            # What the policy would cut from the staged requests and the queue together.
+            fifo = self._fifo
+            while not fifo[0].queued:
+                fifo.popleft()
+            oldest = min(fifo[0].arrival, *(r.arrival for r in running.requests))
+            view = QueueView(running.size + self._queued_items, oldest,
+                             min(earliest, heap[0].deadline))  # fmt: skip
+            take = plan(start, view, 1, self.limits, self.latency.estimate,
+                        self._rate.per_second(now)).take  # fmt: skip
+            room = take - running.size
+            grown = earliest
+            while heap and room > 0:
+                req = heap[0]
+                if not req.queued:
+                    heapq.heappop(heap)
+                    continue
+                if req.shape_key != key or req.batch_size > room:
+                    break
+                heapq.heappop(heap)
+                self._unqueue(req)
+                running.requests.append(req)
+                running.parts.append(req.inputs)
+                running.size += req.batch_size
+                room -= req.batch_size
+                grown = min(grown, req.deadline)
+            while heap and not heap[0].queued:
+                heapq.heappop(heap)
+            top = heap[0] if heap else None
+            if top is not None and (
+                top.deadline < earliest or (top.shape_key == key and top.deadline < latest)
+            ):
+                # A queued request that a batch cut now would lead, or take in place of
+                # a member, and it cannot join: take the batch back, cut again.
+                staged.retract()
+                self._staged = None
+                running.staged = None
+                if running.timer is not None:
+                    running.timer.cancel()
+                self._requeue(running.requests)
+                return
+        running.expected_end = start + self.latency.estimate(running.size)
+        if grown < earliest:  # its deadline guard goes off at the earliest deadline in it
+            if running.timer is not None:
+                running.timer.cancel()
+            running.timer = self._loop.call_later(grown - now, self._expire_running, running)
+
+    def _requeue(self, requests: list[InferenceRequest]) -> None:
+        """Put back the requests of a staged batch taken back (those still unanswered)."""
+        back = [r for r in requests if not r.future.done()]
+        for req in back:
+            req.queued = True
+            heapq.heappush(self._heap, req)
+            self._queued_requests += 1
+            self._queued_items += req.batch_size
+        # They are older than most of the queue: the FIFO is rebuilt in arrival order.
+        self._fifo = deque(sorted((r for r in (*back, *self._fifo) if r.queued),
+                                  key=lambda r: r.arrival))  # fmt: skip
+
+    def _started_staged(self, running: _Running, staged: Staged) -> None:
+        """An instance took the staged ``running``: it is a running batch now."""
+        started = running.started + staged.held_s
+        running.started = started
+        self._note_queue_wait(running.requests, started)
+        self._running.add(running)
 
     def _shed_hopeless(self, now: float) -> bool:
         """Answer the head of the queue now if it could only run in a batch less
@@ -398,6 +557,15 @@ class Batcher:
         return picked
 
     def _dispatch(self, picked: list[InferenceRequest], now: float) -> None:
+        size = self._note_queue_wait(picked, now)
+        running = _Running(picked, size, now, now + self.latency.estimate(size), self._on_done)
+        earliest = min(r.deadline for r in picked)
+        running.timer = self._loop.call_later(earliest - now, self._expire_running, running)
+        self._running.add(running)
+        self._pool.submit(running)
+
+    def _note_queue_wait(self, picked: list[InferenceRequest], now: float) -> int:
+        """Record the queue time of ``picked``, whose batch starts at ``now``; returns its size."""
         size = 0
         queue_ns = 0
         observe_queue = self._stats.queue_seconds.observe
@@ -408,16 +576,17 @@ class Batcher:
             queue_ns += int(waited * 1e9)
             observe_queue(waited)
         self._stats.queue.add(queue_ns, len(picked))
-        running = _Running(picked, size, now, now + self.latency.estimate(size), self._on_done)
-        earliest = min(r.deadline for r in picked)
-        running.timer = self._loop.call_later(earliest - now, self._expire_running, running)
-        self._running.add(running)
-        self._pool.submit(running)
+        return size
 
     def _on_done(self, job: _Running) -> None:
         """A batch came back from its executor (called on the loop)."""
         running = job
         now = self._clock()
+        if running is self._staged:  # it ran and ended before a pump saw it taken
+            assert running.staged is not None
+            self._staged = None
+            self._started_staged(running, running.staged)
+            running.staged = None
         self._running.discard(running)
         if running.timer is not None:
             running.timer.cancel()
@@ -461,10 +630,12 @@ class Batcher:
             if req.future.done():
                 continue
             if req.deadline <= now:
-                self._time_out(req, now, now, (
-                    f"request timed out after {(now - req.arrival) * 1e3:.1f} ms; the model "
-                    f"'{self.label}' was still running its batch"
-                ))  # fmt: skip
+                waited = f"request timed out after {(now - req.arrival) * 1e3:.1f} ms"
+                if running is self._staged:  # (as far as the loop knows) not started yet
+                    message = f"{waited} waiting in the queue of '{self.label}'"
+                else:
+                    message = f"{waited}; the model '{self.label}' was still running its batch"
+                self._time_out(req, now, now, message)
             else:
                 later = req.deadline if later is None else min(later, req.deadline)
         running.timer = (
@@ -516,7 +687,8 @@ class Batcher:
     # --- shutdown -------------------------------------------------------------
 
     def close(self) -> None:
-        """Refuse new requests and answer every queued one as unavailable."""
+        """Refuse new requests and answer every waiting one (queued, or in a staged
+        batch no instance took) as unavailable."""
         self._closed = True
         if self._timer is not None:
             self._timer.cancel()
@@ -526,6 +698,16 @@ class Batcher:
             if req.queued:
                 self._unqueue(req)
                 _fail(req, error)
+        running = self._staged
+        if running is not None and running.staged is not None:
+            with running.staged.lock:
+                if running.staged.open:  # no instance took it: its requests were waiting
+                    running.staged.retract()
+                    self._staged = None
+                    if running.timer is not None:
+                        running.timer.cancel()
+                    for req in running.requests:
+                        _fail(req, error)
         self._heap.clear()
         self._fifo.clear()
 

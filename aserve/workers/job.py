@@ -1,8 +1,10 @@
 """The one executor interface the batchers depend on, and the jobs it carries.
 
-Layer: ``workers``. Plain data and a protocol: nothing here runs anything.
+Layer: ``workers``. Plain data and protocols: nothing here runs anything.
 A job is created and answered on the loop; in between an executor thread or
-a child process (through its pipe) fills in its outcome.
+a child process (through its pipe) fills in its outcome. :class:`Staged` is
+the one record both sides touch while a job waits: a lock decides whether
+the loop may still change it or an instance thread has taken it.
 
 Four executors satisfy :class:`Executor`: the instance threads of a batched
 model (:class:`~aserve.workers.thread_pool.ExecutorPool`), its worker
@@ -14,6 +16,8 @@ model's step thread or step process
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
@@ -55,6 +59,60 @@ class Executor(Protocol[J]):
     def submit(self, job: J) -> None: ...
 
     async def stop(self, timeout: float = 10.0) -> None: ...
+
+
+@runtime_checkable
+class Staging(Protocol):
+    """An executor that can hold the next batch ready while every instance is busy.
+
+    The batcher stages a batch when no instance is free; the first instance
+    that frees up takes it without waiting for the loop's turn (with many
+    answers to write, the loop is late by milliseconds). Until then the loop
+    may still grow it or take it back (:class:`Staged`), so it ends as the
+    batch the loop would have cut at that moment. ``can_stage`` says whether
+    a batch should wait there at all (not one the pool runs inline).
+    """
+
+    def can_stage(self) -> bool: ...
+
+    def stage(self, job: BatchJob) -> Staged: ...
+
+
+class Staged:
+    """A staged batch job, between the loop and the instance that takes it.
+
+    Loop side: ``with staged.lock:`` and, while ``open`` is True, change the
+    job or ``retract()`` it. Instance side: ``take()`` returns the job (and
+    notes when) or None once retracted. ``lock`` is held for a few list
+    operations at most.
+    """
+
+    __slots__ = ("job", "lock", "open", "staged_at", "taken_at")
+
+    def __init__(self, job: BatchJob) -> None:
+        self.job = job
+        self.lock = threading.Lock()
+        self.open = True  # neither taken nor retracted
+        self.staged_at = time.perf_counter()
+        self.taken_at = 0.0  # perf_counter() when an instance took it
+
+    def retract(self) -> None:
+        """Loop side, with ``lock`` held and ``open`` True: no instance will take it."""
+        self.open = False
+
+    def take(self) -> BatchJob | None:
+        """Instance side: the job to run now, or None (the loop took it back)."""
+        with self.lock:
+            if not self.open:
+                return None
+            self.open = False
+            self.taken_at = time.perf_counter()
+        return self.job
+
+    @property
+    def held_s(self) -> float:
+        """Seconds it waited staged before an instance took it (0 until then)."""
+        return self.taken_at - self.staged_at if self.taken_at else 0.0
 
 
 class BatchJob:

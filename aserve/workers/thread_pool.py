@@ -8,7 +8,11 @@ batch may run inline, on the loop's own thread (below).
 The loop submits a :class:`BatchJob`; whichever instance thread is free takes
 it, stacks the inputs, runs the engine and posts the outcome back through
 :mod:`aserve.workers.handoff`. The batcher only submits while
-it knows an instance is free, so jobs never pile up in the thread queue.
+it knows an instance is free, so jobs never pile up in the thread queue,
+but for one: while every instance is busy, the batcher may stage the next
+batch (:meth:`ExecutorPool.stage`), which waits in the queue for the first
+instance that frees up, so that the model does not wait for the loop's turn
+between batches (:class:`aserve.workers.job.Staged`).
 
 **Inline on the loop.** Tiny batches run on the loop instead
 (:meth:`ExecutorPool._run_inline_on_loop`). Handing a batch to a thread and back
@@ -36,7 +40,7 @@ from typing import Any
 
 from aserve.engines.base import Engine
 from aserve.workers.handoff import post_threadsafe, poster, settle_threadsafe
-from aserve.workers.job import BatchJob
+from aserve.workers.job import BatchJob, Staged
 
 log = logging.getLogger("aserve.executor")
 
@@ -115,6 +119,18 @@ class ExecutorPool:
             self._run_inline_on_loop(job)
             return
         self._jobs.put(job)
+
+    def can_stage(self) -> bool:
+        """Whether a batch should wait staged for a thread: not while some batch
+        sizes run inline (a model that fast waits for no loop turn worth saving)."""
+        return self._inline_instance is None or not any(self._inline.values())
+
+    def stage(self, job: BatchJob) -> Staged:
+        """Queue ``job`` for the first instance thread that frees up; the loop may
+        still change it or take it back through what this returns."""
+        staged = Staged(job)
+        self._jobs.put(staged)
+        return staged
 
     def _run_inline_on_loop(self, job: BatchJob) -> None:
         """Stack, run and check ``job`` here, on the loop's thread, with the instance
@@ -207,6 +223,10 @@ class ExecutorPool:
                 job = self._jobs.get()
                 if job is _STOP:
                     return
+                if type(job) is Staged:
+                    job = job.take()
+                    if job is None:  # taken back by the loop
+                        continue
                 _run(engine, job, instance)
                 try:
                     post(self._finished, job)
