@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,50 @@ def deadline_cap(
     return lo
 
 
+class Drain(NamedTuple):
+    """When a new request is predicted done, and how many rounds of full batches
+    (one batch per instance a round) run before the batch it joins: 0 when it
+    joins the next batch to start."""
+
+    finish: float
+    rounds: int
+
+
+def drain(
+    now: float,
+    items_ahead: int,
+    items: int,
+    instances: int,
+    first_free_at: float,
+    limits: BatchLimits,
+    latency: Callable[[int], float],
+    deadline: float = math.inf,
+    ahead_deadline: float | None = None,
+) -> Drain:
+    """Earliest time a new request of ``items`` could finish, given the queue ahead.
+
+    ``first_free_at`` is when the soonest instance is expected to be free
+    (``now`` if one is). The queue ahead drains in batches spread over the
+    instances, each as large as runs by ``ahead_deadline`` (see
+    :func:`deadline_cap`): the earliest deadline of the queue and this
+    request, which the batcher cuts the next batch by; when the caller does
+    not know it, by half the time left to ``deadline``. Used by admission
+    control to refuse at once what cannot make its deadline.
+    """
+    start = max(now, first_free_at)
+    # The batches ahead run under their own, earlier deadlines: the batcher
+    # sizes each by what its earliest request has left. Without that deadline,
+    # assume half of this request's time, not all of it, or admission promises
+    # batches of a size that the queue's older requests will not let run.
+    cap_at = start + (deadline - start) / 2 if ahead_deadline is None else ahead_deadline
+    size = deadline_cap(start, cap_at, limits, latency)
+    total = items_ahead + items
+    full_batches = (total - 1) // size
+    last = total - full_batches * size
+    rounds = math.ceil(full_batches / max(instances, 1))
+    return Drain(start + rounds * latency(size) + latency(last), rounds)
+
+
 def predicted_finish(
     now: float,
     items_ahead: int,
@@ -143,24 +188,6 @@ def predicted_finish(
     deadline: float = math.inf,
     ahead_deadline: float | None = None,
 ) -> float:
-    """Earliest time a new request of ``items`` could finish, given the queue ahead.
-
-    ``first_free_at`` is when the soonest instance is expected to be free
-    (``now`` if one is). The queue ahead drains in batches spread over the
-    instances, each as large as runs in half the time left to ``deadline``
-    (see :func:`deadline_cap`), or by ``ahead_deadline`` when the caller
-    knows that no request ahead has an earlier deadline; used by admission
-    control to refuse at once what cannot make its deadline.
-    """
-    start = max(now, first_free_at)
-    # The batches ahead run under their own, earlier deadlines: the batcher
-    # sizes each by what its earliest request has left. Assume half of this
-    # request's time, not all of it, or admission promises batches of a size
-    # that the queue's older requests will not let run.
-    cap_at = start + (deadline - start) / 2 if ahead_deadline is None else ahead_deadline
-    size = deadline_cap(start, cap_at, limits, latency)
-    total = items_ahead + items
-    full_batches = (total - 1) // size
-    last = total - full_batches * size
-    rounds = math.ceil(full_batches / max(instances, 1))
-    return start + rounds * latency(size) + latency(last)
+    """:func:`drain`'s finish."""
+    return drain(now, items_ahead, items, instances, first_free_at, limits, latency,
+                 deadline, ahead_deadline).finish  # fmt: skip
