@@ -175,6 +175,23 @@ def test_what_load_taught_the_estimates_fades_while_the_model_is_idle():
     assert lat.estimate(2) == pytest.approx(0.040, rel=0.01)  # no longer than 4 at its best
 
 
+def test_a_size_first_run_in_a_storm_fades_to_the_quiet_curve():
+    """Warm-up measures a few sizes; a storm's batches run other sizes for the first
+    time, slowly (4: 110 ms on a model whose warm-up did 1 in 30 ms and 32 in 90 ms).
+    Their floor is the warm-up curve's (36 ms for 4), so a rest brings them back to it:
+    with the floor at their own first time, or 32's, a burst seconds after the storm
+    was predicted at ~2x what it took, and refused."""
+    lat = LatencyModel(32, idle_half_life=1.0)
+    lat.observe(1, 0.030)
+    lat.observe(32, 0.090)
+    lat.observe(4, 0.110)
+    lat.observe(4, 0.120)
+    lat.relax(3.0)
+    assert lat.estimate(4) < 0.050
+    lat.relax(10.0)
+    assert lat.estimate(4) == pytest.approx(0.030 + 3 * 0.060 / 31, rel=0.01)
+
+
 def test_high_estimate_widens_with_the_jitter_of_batches():
     lat = LatencyModel(8)
     for _ in range(30):

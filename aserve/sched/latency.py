@@ -43,7 +43,10 @@ class LatencyModel:
     server, believing them, refuses everything and so runs no batch. So over
     idle time each estimate's excess over the lowest it (or any larger size)
     has been, and each recent ratio's excess over 1, halve every
-    ``idle_half_life`` seconds; the next batches measure what is true now.
+    ``idle_half_life`` seconds; the next batches measure what is true now. A
+    size first measured under load starts with a floor on the curve through
+    the floors of the sizes measured before it (warm-up's), not at its own
+    slow first time.
     """
 
     __slots__ = ("_alpha", "_floor", "_half_life", "_max", "_max_stretch", "_measured",
@@ -82,7 +85,11 @@ class LatencyModel:
             self._ratios.append(seconds / old)
             self._restretch()
         if old is None:
-            self._measured[size] = self._floor[size] = seconds
+            # A size first run in a storm has only slow times of its own; the curve
+            # through the sizes measured before says what it takes at its best.
+            quiet = self._curve(self._floor, size) if self._sizes else seconds
+            self._floor[size] = min(seconds, quiet)
+            self._measured[size] = seconds
             bisect.insort(self._sizes, size)
         else:
             # One outlier (a huge input on a variable-shape model, a stall) may
@@ -127,9 +134,14 @@ class LatencyModel:
         hit = measured.get(size)
         if hit is not None:
             return hit
-        sizes = self._sizes
-        if not sizes:
+        if not self._sizes:
             return 0.0
+        return self._curve(measured, size)
+
+    def _curve(self, measured: dict[int, float], size: int) -> float:
+        """``size`` on the curve through ``measured`` (the estimates, or the floors)
+        at the measured sizes, as the class docstring says; at least one is measured."""
+        sizes = self._sizes
         size = min(max(size, 1), self._max)
         i = bisect.bisect_left(sizes, size)
         if i == 0:
