@@ -318,11 +318,11 @@ def _request(clock: FakeClock, deadline_in: float) -> InferenceRequest:
 
 async def test_the_margin_stretches_only_waits_in_a_lasting_overload():
     """An old margin must not make a model whose load fell refuse what it can serve: a
-    request that joins the next batch to start (at once, or behind the running one), or
-    that came in a spell that started after a rest at least as long as its budget (a
-    burst), is admitted on the prediction alone; one that would wait behind a full batch
-    of the queue in a server busy for longer, or rested only between an overload's
-    batches, has its prediction stretched by the margin."""
+    request that is the first of the next batch to start (at once, or behind the running
+    one), or that came in a spell that started after a rest at least as long as its
+    budget (a burst), is admitted on the prediction alone; one that would wait with
+    others in a server busy for longer, or rested only between an overload's batches,
+    has its prediction stretched by the margin."""
     clock = FakeClock()
     pool = _Held()
     batcher = Batcher("m/1", BatchingConfig(max_batch_size=4), pool, ModelStats("m", "1"),
@@ -340,7 +340,7 @@ async def test_the_margin_stretches_only_waits_in_a_lasting_overload():
     clock.now += 0.2  # busy for longer than the next one's budget: a lasting overload
     now = clock()
     with pytest.raises(Unavailable, match="cannot meet the request's deadline"):
-        batcher.check_admission(now, now + 0.150, 1)  # behind the full batch: ~4 x 100 ms
+        batcher.check_admission(now, now + 0.150, 1)  # with the queue: ~4 x 100 ms
     await _one_pass()
     assert len(pool.jobs) == 1  # the full batch runs; the queue is empty
     # Behind the running batch, in the next one: 50 + 50 ms of 150, whatever the margin.
@@ -440,9 +440,10 @@ async def test_a_storms_erratic_batches_leave_the_next_batch_open():
     margin and the loop lagged 30 ms: a request behind the running batch, with nothing
     queued, was predicted at 3x the batch's estimate twice over, times the margin, plus
     twice the lag (340 ms), so only a request that found the instance idle was admitted,
-    and it ran alone. Work-conserving admission takes, behind the running batch, what
-    the next batch serves in time on what batches took (the slowest tenth of them):
-    about 65 + 65 ms and the lag, within 200 ms; all of it then runs in one batch."""
+    it ran alone, and the instance idled until the next one came. Work-conserving
+    admission takes the first of the next batch on what batches took (the slowest tenth
+    of them: about 70 + 70 ms and the lag, within 200 ms); those that would join it get
+    the margin, and as it fades the next batch fills."""
     clock = FakeClock()
     lag = LoopLag()
     pool = _Held()
@@ -463,14 +464,19 @@ async def test_a_storms_erratic_batches_leave_the_next_batch_open():
     now = clock()
     with pytest.raises(Unavailable, match="0 request"):
         batcher.check_admission(now, now + 0.100, 1)  # too short for two batches: refused
-    joined = [_request(clock, 0.2) for _ in range(8)]
+    first = _request(clock, 0.2)
+    batcher.submit(first)  # nothing queued: admitted, whatever the margin
+    with pytest.raises(Unavailable, match="1 request"):
+        batcher.check_admission(now, now + 0.200, 1)  # joining it: ~2 x 110 ms, refused
+    batcher.margin.factor = 1.3  # the margin fades
+    joined = [_request(clock, 0.2) for _ in range(7)]
     for r in joined:
         batcher.submit(r)  # none refused
     await _one_pass()
     assert len(pool.jobs) == 1  # they wait for the instance
     pool.answer()
     pool.answer()
-    assert all(r.future.done() and r.future.exception() is None for r in joined)
+    assert all(r.future.done() and r.future.exception() is None for r in (first, *joined))
     assert pool.sizes == [1, 8]  # the next batch took them all
     batcher.close()
 

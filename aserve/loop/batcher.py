@@ -37,7 +37,7 @@ from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
 from aserve.obs.stats import ModelStats
 from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
-from aserve.sched.policy import BatchLimits, QueueView, deadline_cap, drain, plan
+from aserve.sched.policy import BatchLimits, QueueView, deadline_cap, plan, predicted_finish
 from aserve.workers.job import BatchJob, Executor
 
 log = logging.getLogger("aserve.batcher")
@@ -236,24 +236,24 @@ class Batcher:
             ahead_deadline = min(ahead_deadline, heap[0].deadline)
         if ahead_requests and not fresh:  # reserved, so not in the heap: deadlines unknown
             ahead_deadline = min(ahead_deadline, start + (deadline - start) / 2)
-        finish, rounds = drain(
+        finish = predicted_finish(
             start, self._queued_items + ahead_items, items, self._pool.live,
             first_free, self.limits, high, deadline, ahead_deadline,
         )  # fmt: skip
         predicted = finish
         # What recent misses say the prediction is short by (1.0 unless overloaded),
-        # for a request that would wait behind full batches of the queue in a
-        # lasting overload, where the queue drains in smaller and slower batches
-        # than planned. One that joins the next batch to start (at once, or behind
-        # the running one) is admitted on the measured batch times alone: a server
-        # must not leave an instance idle, or running batches of one, while it
-        # refuses what the next batch would serve in time; the batch times' own
-        # jitter is in the pessimistic estimates. Nor one in a fresh spell (a burst
-        # at a rested server: the queue ahead is only what came with it, and the
-        # measured latencies are what will drain it): a server whose load fell
-        # serves what it can, and so lowers the margin, instead of refusing on an
+        # for a request that would wait with others in a lasting overload, where the
+        # queue drains in smaller and slower batches than planned. Not for the first
+        # of the next batch (nothing queued: it runs at once, or behind the running
+        # batch): refused, it leaves the instance idle when that batch ends, and a
+        # storm's clients, refused this way, had the model run batches of one with
+        # idle gaps between; work-conserving admission takes it on the measured batch
+        # times, whose jitter is in the pessimistic estimates. Nor one in a fresh
+        # spell (a burst at a rested server: the queue ahead is only what came with
+        # it, and the measured latencies are what will drain it): a server whose load
+        # fell serves what it can, and so lowers the margin, instead of refusing on an
         # old factor.
-        if rounds > 0 and not fresh:
+        if self._queued_items + ahead_items > 0 and not fresh:
             finish = now + (finish - now) * self.margin.factor
         # The loop's own lag, once: the answer waits in it before it is written. The
         # wait before this handler ran is behind us, and the deadline starts here.

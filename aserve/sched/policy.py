@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,16 +132,7 @@ def deadline_cap(
     return lo
 
 
-class Drain(NamedTuple):
-    """When a new request is predicted done, and how many rounds of full batches
-    (one batch per instance a round) run before the batch it joins: 0 when it
-    joins the next batch to start."""
-
-    finish: float
-    rounds: int
-
-
-def drain(
+def predicted_finish(
     now: float,
     items_ahead: int,
     items: int,
@@ -152,7 +142,7 @@ def drain(
     latency: Callable[[int], float],
     deadline: float = math.inf,
     ahead_deadline: float | None = None,
-) -> Drain:
+) -> float:
     """Earliest time a new request of ``items`` could finish, given the queue ahead.
 
     ``first_free_at`` is when the soonest instance is expected to be free
@@ -174,20 +164,4 @@ def drain(
     full_batches = (total - 1) // size
     last = total - full_batches * size
     rounds = math.ceil(full_batches / max(instances, 1))
-    return Drain(start + rounds * latency(size) + latency(last), rounds)
-
-
-def predicted_finish(
-    now: float,
-    items_ahead: int,
-    items: int,
-    instances: int,
-    first_free_at: float,
-    limits: BatchLimits,
-    latency: Callable[[int], float],
-    deadline: float = math.inf,
-    ahead_deadline: float | None = None,
-) -> float:
-    """:func:`drain`'s finish."""
-    return drain(now, items_ahead, items, instances, first_free_at, limits, latency,
-                 deadline, ahead_deadline).finish  # fmt: skip
+    return start + rounds * latency(size) + latency(last)
