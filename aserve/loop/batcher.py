@@ -45,13 +45,7 @@ from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
 from aserve.obs.stats import ModelStats
 from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
-from aserve.sched.policy import (
-    BatchLimits,
-    QueueView,
-    deadline_cap,
-    plan,
-    predicted_finish,
-)
+from aserve.sched.policy import BatchLimits, QueueView, deadline_cap, plan, predicted_finish
 from aserve.workers.job import BatchJob, Executor, Staged, Staging
 
 log = logging.getLogger("aserve.batcher")
@@ -246,46 +240,52 @@ class Batcher:
             else min(r.started + high(r.size) for r in self._running)
         )
         fresh = now <= self._fresh_until
-        # In a fresh spell everything ahead came with this request (a burst): none
-        # has a deadline before the spell's first one or the queue's earliest, so
-        # the batches ahead are sized by that, not by a guess at half the budget.
-        ahead_deadline = None
-        if fresh:
-            ahead_deadline = min(self._fresh_until, deadline)
-            if self._heap and self._heap[0].queued:  # (not a stale entry of earlier work)
-                ahead_deadline = min(ahead_deadline, self._heap[0].deadline)
+        # The next batch is cut by the earliest deadline among the queued and this
+        # request: size the batches ahead by it (the queue's own evidence), not by a
+        # guess at half the budget. In a fresh spell everything ahead came with this
+        # request (a burst), and none has a deadline before the spell's first one.
+        ahead_deadline = min(self._fresh_until, deadline) if fresh else deadline
+        heap = self._heap
+        while heap and not heap[0].queued:  # stale entries of earlier work
+            heapq.heappop(heap)
+        if heap:
+            ahead_deadline = min(ahead_deadline, heap[0].deadline)
+        if ahead_requests and not fresh:  # reserved, so not in the heap: deadlines unknown
+            ahead_deadline = min(ahead_deadline, start + (deadline - start) / 2)
         staged = self._staged
-        if staged is not None:
-            ahead_items += staged.size  # it runs before anything queued now
+        if staged is not None:  # it runs before anything queued now
+            ahead_items += staged.size
+            ahead_deadline = min(ahead_deadline, *(r.deadline for r in staged.requests))
         finish = predicted_finish(
             start, self._queued_items + ahead_items, items, self._pool.live,
             first_free, self.limits, high, deadline, ahead_deadline,
         )  # fmt: skip
         predicted = finish
         # What recent misses say the prediction is short by (1.0 unless overloaded),
-        # for a request that would wait in a lasting overload. One that runs at
-        # once, or that comes in a fresh spell (a burst at a rested server: the
-        # queue ahead is only what came with it, and the measured latencies are
-        # what will drain it), is admitted on the prediction alone: a server
-        # whose load fell serves what it can, and so lowers the margin, instead
-        # of refusing on an old factor.
-        if (self._free <= 0 or self._queued_items + ahead_items > 0) and not fresh:
+        # for a request that would wait with others in a lasting overload, where the
+        # queue drains in smaller and slower batches than planned. Not for the first
+        # of the next batch (nothing queued: it runs at once, or behind the running
+        # batch): refused, it leaves the instance idle when that batch ends, and a
+        # storm's clients, refused this way, had the model run batches of one with
+        # idle gaps between; work-conserving admission takes it on the measured batch
+        # times, whose jitter is in the pessimistic estimates. Nor one in a fresh
+        # spell (a burst at a rested server: the queue ahead is only what came with
+        # it, and the measured latencies are what will drain it): a server whose load
+        # fell serves what it can, and so lowers the margin, instead of refusing on an
+        # old factor.
+        if self._queued_items + ahead_items > 0 and not fresh:
             finish = now + (finish - now) * self.margin.factor
-        # The loop's own lag, twice: the request waited in it before this handler ran
-        # (its client's clock was running), and its answer will wait in it again.
+        # The loop's own lag, once: the answer waits in it before it is written. The
+        # wait before this handler ran is behind us, and the deadline starts here.
         lag = self._lag.recent
-        finish += 2.0 * lag
+        finish += lag
         if finish > deadline:
             self._stats.rejected["deadline_unmeetable"] += 1
             raise Unavailable(
                 f"model '{self.label}' cannot meet the request's deadline: "
                 f"{(deadline - now) * 1e3:.1f} ms left, but {queued} request(s) "
                 f"ahead and the measured latencies predict {(finish - now) * 1e3:.1f} ms"
-                + (
-                    f" (with twice the event loop's lag of {lag * 1e3:.1f} ms)"
-                    if lag > 1e-3
-                    else ""
-                )
+                + (f" (with the event loop's lag of {lag * 1e3:.1f} ms)" if lag > 1e-3 else "")
             )
         return predicted
 

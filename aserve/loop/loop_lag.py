@@ -1,4 +1,4 @@
-"""How late the event loop runs its callbacks: time a request spends unseen, twice.
+"""How late the event loop runs its callbacks: time an answer spends unseen.
 
 Under a storm of requests the loop itself becomes a queue: a request waits
 in it before its handler runs (its client's clock is already running) and
@@ -7,7 +7,9 @@ batcher's view of a request, which starts at the handler and ends when the
 result is set, so admission that ignores them promises answers that reach
 their clients late. :class:`LoopLag` measures the wait with a timer that
 asks to run every ``interval`` seconds and records how late it ran; the
-batcher adds twice the recent lag to its predictions.
+batcher adds the recent lag to its predictions once, for the answer's wait:
+the request's own wait before its handler ran is over by the time admission
+looks at it, and its deadline starts at the handler.
 
 ``recent`` moves toward each tick's lag, fast when it rises (``rise``) and
 slower when it falls (``fall``): one pause (a garbage collection, a burst's

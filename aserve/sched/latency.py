@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 
 
@@ -26,29 +27,50 @@ class LatencyModel:
     smallest the smallest's time is used. With nothing measured every size
     estimates 0.0 and callers treat the model as "unknown".
 
+    Promises (admission) use :meth:`high`, the estimate times ``stretch``:
+    how long the recent batches took against their estimates, the 90th
+    percentile of the last ``window`` ratios (at least 1, at most
+    ``max_stretch``). Evidence, not a model of the jitter: a request behind a
+    running batch waits for two batches, and two batches each at their 90th
+    percentile make about the 99th of their sum, which is what a promise of
+    0.99 in time needs; a spread-based bound (mean plus twice the mean
+    deviation, capped at 3x) said 3x for a storm's erratic batches whose
+    slowest tenth ran 1.5-2x, and refused everything behind a running batch.
+
     What load teaches fades while the model is idle (:meth:`relax`): batches
     that ran slow because the machine was busy (a storm's refusals, other
     tenants) leave estimates and jitter that nothing corrects once the
     server, believing them, refuses everything and so runs no batch. So over
     idle time each estimate's excess over the lowest it (or any larger size)
-    has been, and the spread, halve every ``idle_half_life`` seconds; the
-    next batches measure what is true now.
+    has been, and each recent ratio's excess over 1, halve every
+    ``idle_half_life`` seconds; the next batches measure what is true now. A
+    size first measured under load starts with a floor on the curve through
+    the floors of the sizes measured before it (warm-up's), not at its own
+    slow first time.
     """
 
-    __slots__ = ("_alpha", "_floor", "_half_life", "_max", "_measured", "_sizes", "spread")
+    __slots__ = ("_alpha", "_floor", "_half_life", "_max", "_max_stretch", "_measured",
+                 "_ratios", "_sizes", "stretch")  # fmt: skip
 
     def __init__(
-        self, max_batch_size: int, alpha: float = 0.2, idle_half_life: float = 1.0
+        self,
+        max_batch_size: int,
+        alpha: float = 0.2,
+        idle_half_life: float = 1.0,
+        window: int = 32,
+        max_stretch: float = 3.0,
     ) -> None:
         self._max = max_batch_size
         self._alpha = alpha
         self._half_life = idle_half_life
+        self._max_stretch = max_stretch
         self._floor: dict[int, float] = {}  # the lowest estimate each size has had
         self._measured: dict[int, float] = {}
         self._sizes: list[int] = []  # measured sizes, ascending
-        # How far a batch's time strays from its estimate, relative, on average
-        # (one figure for all sizes: the jitter comes from the machine, not the size).
-        self.spread = 0.0
+        # The last batches' times over their estimates (one series for all sizes: the
+        # jitter comes from the machine, not the size), and their 90th percentile.
+        self._ratios: deque[float] = deque(maxlen=window)
+        self.stretch = 1.0
 
     @property
     def known(self) -> bool:
@@ -57,13 +79,17 @@ class LatencyModel:
     def observe(self, size: int, seconds: float) -> None:
         size = min(max(size, 1), self._max)
         old = self._measured.get(size)
-        if old is not None:
+        if old is not None and old > 0.0:
             # Against this size's own estimate only: a first run of a size compared
             # with one interpolated from its neighbours would count the curve as jitter.
-            off = min(abs(seconds / old - 1.0), 1.0)  # one stall counts as 100%, no more
-            self.spread += 0.1 * (off - self.spread)
+            self._ratios.append(seconds / old)
+            self._restretch()
         if old is None:
-            self._measured[size] = self._floor[size] = seconds
+            # A size first run in a storm has only slow times of its own; the curve
+            # through the sizes measured before says what it takes at its best.
+            quiet = self._curve(self._floor, size) if self._sizes else seconds
+            self._floor[size] = min(seconds, quiet)
+            self._measured[size] = seconds
             bisect.insort(self._sizes, size)
         else:
             # One outlier (a huge input on a variable-shape model, a stall) may
@@ -88,7 +114,18 @@ class LatencyModel:
             value = self._measured[size]
             if value > low:
                 self._measured[size] = low + (value - low) * keep
-        self.spread *= keep
+        if self._ratios:
+            self._ratios = deque(
+                (r if r <= 1.0 else 1.0 + (r - 1.0) * keep for r in self._ratios),
+                maxlen=self._ratios.maxlen,
+            )
+            self._restretch()
+
+    def _restretch(self) -> None:
+        ratios = sorted(self._ratios)
+        n = len(ratios)
+        p90 = ratios[min(n - 1, (9 * n) // 10)]  # nearest rank; the largest while few
+        self.stretch = min(max(p90, 1.0), self._max_stretch)
 
     def estimate(self, size: int) -> float:
         # Called on every admission and every batching decision: a dict hit,
@@ -97,9 +134,14 @@ class LatencyModel:
         hit = measured.get(size)
         if hit is not None:
             return hit
-        sizes = self._sizes
-        if not sizes:
+        if not self._sizes:
             return 0.0
+        return self._curve(measured, size)
+
+    def _curve(self, measured: dict[int, float], size: int) -> float:
+        """``size`` on the curve through ``measured`` (the estimates, or the floors)
+        at the measured sizes, as the class docstring says; at least one is measured."""
+        sizes = self._sizes
         size = min(max(size, 1), self._max)
         i = bisect.bisect_left(sizes, size)
         if i == 0:
@@ -111,9 +153,10 @@ class LatencyModel:
         return measured[lo] + (size - lo) / (hi - lo) * (measured[hi] - measured[lo])
 
     def high(self, size: int) -> float:
-        """A pessimistic estimate: the mean plus twice the usual deviation from it,
-        for promises (admission), where a batch that runs long breaks one."""
-        return self.estimate(size) * (1.0 + 2.0 * self.spread)
+        """A pessimistic estimate: what the slowest tenth of recent batches took
+        against their estimates, for promises (admission), where a batch that
+        runs long breaks one."""
+        return self.estimate(size) * self.stretch
 
     def snapshot(self) -> dict[int, float]:
         """Measured sizes and their estimates, for statistics and logs."""

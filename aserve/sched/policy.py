@@ -147,16 +147,17 @@ def predicted_finish(
 
     ``first_free_at`` is when the soonest instance is expected to be free
     (``now`` if one is). The queue ahead drains in batches spread over the
-    instances, each as large as runs in half the time left to ``deadline``
-    (see :func:`deadline_cap`), or by ``ahead_deadline`` when the caller
-    knows that no request ahead has an earlier deadline; used by admission
+    instances, each as large as runs by ``ahead_deadline`` (see
+    :func:`deadline_cap`): the earliest deadline of the queue and this
+    request, which the batcher cuts the next batch by; when the caller does
+    not know it, by half the time left to ``deadline``. Used by admission
     control to refuse at once what cannot make its deadline.
     """
     start = max(now, first_free_at)
     # The batches ahead run under their own, earlier deadlines: the batcher
-    # sizes each by what its earliest request has left. Assume half of this
-    # request's time, not all of it, or admission promises batches of a size
-    # that the queue's older requests will not let run.
+    # sizes each by what its earliest request has left. Without that deadline,
+    # assume half of this request's time, not all of it, or admission promises
+    # batches of a size that the queue's older requests will not let run.
     cap_at = start + (deadline - start) / 2 if ahead_deadline is None else ahead_deadline
     size = deadline_cap(start, cap_at, limits, latency)
     total = items_ahead + items

@@ -18,6 +18,7 @@ import asyncio
 import functools
 import gzip
 import logging
+import math
 import zlib
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,12 @@ from aserve.frontends.http.kit import (
     error_response,
     json_response,
 )
-from aserve.frontends.http.limits import ConnectionGuard, accept_error_handler, pending_bound
+from aserve.frontends.http.limits import (
+    REFUSED_STATUSES,
+    ConnectionGuard,
+    accept_error_handler,
+    pending_bound,
+)
 from aserve.frontends.http.metrics import add_metrics_route
 from aserve.frontends.http.openai import add_openai_routes
 from aserve.frontends.http.openapi import add_openapi_route
@@ -262,10 +268,19 @@ class HttpFrontend:
                     )
             except AserveError as exc:  # refused by the admission
                 response = refuse(exc)
-                response.headers[REQUEST_ID_HEADER] = rid
-                return response
             if not response.prepared:  # a stream sent its headers, the id among them, already
                 response.headers[REQUEST_ID_HEADER] = rid
+            # Refusals in a row on one connection are paced while the loop lags
+            # (ConnectionGuard.refusal_hold), after the request has left the
+            # admission: a held refusal holds no slot.
+            guard = self.connections
+            if guard is not None:
+                if response.status in REFUSED_STATUSES and not response.prepared:
+                    hold = guard.refusal_hold(request.protocol, _budget_s(request))
+                    if hold:
+                        await asyncio.sleep(hold)
+                elif guard.refused_in_a_row and request.protocol in guard.refused_in_a_row:
+                    guard.served(request.protocol)
             return response
 
         counting.__name__ = getattr(handler, "__name__", "handler")
@@ -405,6 +420,20 @@ class HttpFrontend:
             payload = await _compress(payload, encoding)
             out_headers["Content-Encoding"] = encoding
         return web.Response(body=payload, content_type=content_type, headers=out_headers)
+
+
+def _budget_s(request: web.Request) -> float | None:
+    """A refused request's deadline budget, for pacing its refusal: its
+    ``aserve-timeout-ms`` header, else its model's default (None: unknown)."""
+    header = request.headers.get(TIMEOUT_HEADER)
+    if header is not None:
+        try:
+            ms = float(header)
+        except ValueError:
+            return None
+        return ms / 1e3 if math.isfinite(ms) and ms > 0 else None
+    runtime = request.get(RUNTIME_KEY)
+    return None if runtime is None else float(runtime.default_timeout_s)
 
 
 async def read_body(request: web.Request) -> bytes:

@@ -20,6 +20,25 @@ An idle kept-alive connection is closed by aiohttp after
 ``http.keepalive_timeout_s``; the next request head on it must be complete by
 then. Closing for either timeout is logged as one throttled line.
 
+A connection that sends refused requests one after another (429/503: a
+client that retries the moment it is refused) has its refusals *paced*
+while the event loop lags (:meth:`ConnectionGuard.refusal_hold`): the first
+in a row is answered at once, each further one only after a hold that
+doubles from ``PACE_FIRST_S``, up to ``PACE_BUDGET_SHARE`` of the request's
+own budget (``PACE_MAX_S`` at most). Such a client's retries then cost the
+server one refusal per hold, not one per loop pass: answered at once, 256 of
+them kept the loop busy with ~4,000 refusals a second, which starved the
+model, the admitted requests and the health probes (bench/RESULTS-overload.md,
+"Retry storm"). Only while the loop lags (its recent lag at least
+``PACE_LAG_S``): a loop that keeps up pays for its refusals easily, and an
+open-loop client, whose pool reuses the connection it was just refused on,
+gets its refusal at once. The hold is a timer: no CPU, no admission slot,
+no queue slot; the refusal was decided on arrival, and the next request on
+the connection, sent after the answer, has its whole budget. A refusal long
+after the last one's answer (``PACE_RESET_S``) starts a new run; any other
+answer on the connection halves the run. HTTP only: gRPC's own clients back
+off on RESOURCE_EXHAUSTED / UNAVAILABLE.
+
 Running out of file descriptors is logged too, once per burst: an event loop
 that refuses an accept with EMFILE is seen by :func:`accept_error_handler`;
 uvloop (libuv) hides it, so :class:`ConnectionGuard` warns when the open
@@ -31,7 +50,8 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -39,12 +59,33 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
+from aserve.loop.loop_lag import LoopLag
 from aserve.obs.log_throttle import Throttled
 
 log = logging.getLogger("aserve.http")
 
 _FD_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _FD_WARN_FRACTION = 0.9  # of RLIMIT_NOFILE: warn before the OS starts refusing
+PACE_FIRST_S = 0.02  # the hold of a connection's second refusal in a row; it doubles
+PACE_MAX_S = 0.5  # and never exceeds this,
+PACE_BUDGET_SHARE = 0.75  # nor this share of the refused request's deadline budget
+# A refusal this long after the last one's answer was not a retry at once: a new run.
+PACE_RESET_S = PACE_MAX_S
+# Pacing only while the loop runs its callbacks this late: refusals are costing it.
+PACE_LAG_S = 0.010
+REFUSED_STATUSES = (429, 503)
+
+
+def refusal_hold_s(in_a_row: int, budget_s: float | None) -> float:
+    """How long to hold, before answering it, a connection's ``in_a_row``-th refusal
+    in a row (1: the first), of a request whose deadline budget is ``budget_s``
+    (None: unknown). Under the budget, so that a client that waits for its
+    answer until its deadline still gets the refusal, not a timeout; the rest
+    of the budget is room for the loop's own lag."""
+    if in_a_row < 2:
+        return 0.0
+    cap = PACE_MAX_S if budget_s is None else min(PACE_MAX_S, PACE_BUDGET_SHARE * budget_s)
+    return min(PACE_FIRST_S * 2.0 ** min(in_a_row - 2, 30), cap)
 
 
 class ConnectionGuard:
@@ -65,6 +106,8 @@ class ConnectionGuard:
         rejected: dict[str, int],
         fd_limit: int | None,
         fds_in_use: int,
+        clock: Callable[[], float] = time.monotonic,
+        loop_lag: Callable[[], float] | None = None,
     ) -> None:
         self._header_timeout_s = header_timeout_s
         self._max_pending = max_pending
@@ -73,12 +116,19 @@ class ConnectionGuard:
         # Oldest first (dicts keep insertion order): the eviction order.
         self._pending: dict[RequestHandler, asyncio.TimerHandle] = {}
         self._serving: set[RequestHandler] = set()
+        # Connections with a run of refusals: [how many in a row, when the last one's
+        # answer went out]. The app looks a served request's connection up here (a
+        # dict lookup, no frame) and calls served() only when it is in.
+        self.refused_in_a_row: dict[Any, list[float]] = {}
+        self._clock = clock
+        self._loop_lag = loop_lag  # the loop's recent lag, seconds (set by install)
         self._fd_limit = fd_limit
         self._fd_warn_at = None if fd_limit is None else int(fd_limit * _FD_WARN_FRACTION)
         self._fds_in_use = fds_in_use  # at start: models, pipes, listeners
         self._open = 0
         self._closed_log = Throttled(log, logging.INFO)
         self._fd_log = Throttled(log, logging.WARNING)
+        self._paced_log = Throttled(log, logging.INFO)
 
     @property
     def pending(self) -> int:
@@ -92,6 +142,9 @@ class ConnectionGuard:
         connection_made, connection_lost = server.connection_made, server.connection_lost
         handle = server.request_handler
         loop = asyncio.get_running_loop()
+        if self._loop_lag is None:
+            lag = LoopLag.of_running_loop()
+            self._loop_lag = lambda: lag.recent
 
         def made(handler: RequestHandler, transport: asyncio.Transport) -> None:
             connection_made(handler, transport)
@@ -113,6 +166,7 @@ class ConnectionGuard:
             if timer is not None:
                 timer.cancel()
             self._serving.discard(handler)
+            self.refused_in_a_row.pop(handler, None)
             self._open -= 1
             connection_lost(handler, exc)
 
@@ -131,6 +185,46 @@ class ConnectionGuard:
 
         server.connection_made = made  # type: ignore[method-assign]
         server.connection_lost = lost  # type: ignore[method-assign]
+
+    def refusal_hold(self, handler: Any, budget_s: float | None) -> float:
+        """Count a refusal on ``handler``'s connection; how long to hold its answer."""
+        lag = 0.0 if self._loop_lag is None else self._loop_lag()
+        if lag < PACE_LAG_S:
+            # The loop keeps up: refusing at once is cheap enough, and a run counted
+            # now would hold an open-loop client's later refusals.
+            self.refused_in_a_row.pop(handler, None)
+            return 0.0
+        now = self._clock()
+        run = self.refused_in_a_row.get(handler)
+        if run is None:
+            run = self.refused_in_a_row[handler] = [0, now]
+        elif now - run[1] >= PACE_RESET_S:
+            run[0] = 0  # the client waited before it asked again: not a storm's retry
+        run[0] += 1
+        hold = refusal_hold_s(int(run[0]), budget_s)
+        run[1] = now + hold
+        if hold:
+            self._paced_log.event(
+                "an HTTP connection sends refused requests one after another while the "
+                "event loop lags %.0f ms: its refusals are answered after a hold (now "
+                "%.0f ms, after %d in a row)",
+                lag * 1e3,
+                hold * 1e3,
+                run[0],
+            )
+        return hold
+
+    def served(self, handler: Any) -> None:
+        """Something other than a refusal was answered on ``handler``'s connection,
+        which had a run of refusals: it counts half as many. A client served once
+        between refusals (a storm's) goes on nearly where it was; one that is
+        served again and again is soon answered at once again."""
+        run = self.refused_in_a_row.get(handler)
+        if run is None:
+            return
+        run[0] = run[0] // 2
+        if not run[0]:
+            del self.refused_in_a_row[handler]
 
     def _header_timeout(self, handler: RequestHandler) -> None:
         if handler in self._pending:
