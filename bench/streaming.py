@@ -49,6 +49,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. A server streams tokens t
 GPT2_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 512}
 MAX_NUM_SEQS = 32
 MAX_MODEL_LEN = 256
+TARGET = 0.9  # served tokens/s over the engine's own loop, at each point (issue 17)
 
 
 # --- the model ---------------------------------------------------------------------------
@@ -328,13 +329,16 @@ def render(results: dict[str, Any]) -> str:
             f"| {c} | {k['tokens_per_s']:.0f} | {k['decode_step_ms']:.2f} | "
             f"{k['decode_only_tokens_per_s']:.0f} |"
         )
-    top = str(max(int(c) for c in results["served"]))
-    frac = results["served"][top]["tokens_per_s"] / results["ceiling"][top]["tokens_per_s"]
-    verdict = "meets" if frac >= 0.85 else "misses"
+    fracs = {
+        c: s["tokens_per_s"] / results["ceiling"][c]["tokens_per_s"]
+        for c, s in results["served"].items()
+    }
+    verdict = "meets" if min(fracs.values()) >= TARGET else "misses"
     lines += [
         "",
-        f"aserve at {top} streams / ceiling at batch {top}: **{frac:.2f}** ({verdict} the 0.85 "
-        "target).",
+        "aserve / ceiling at the same batch: "
+        + ", ".join(f"{c} streams **{f:.2f}**" for c, f in fracs.items())
+        + f" ({verdict} the {TARGET} target at every point).",
         "",
     ]
     if results.get("notes"):

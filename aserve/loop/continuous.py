@@ -11,6 +11,15 @@ sequences have left, waiting ones are admitted as slots and the prefill
 budget allow, paused ones (their reader is behind) sit out. The loop never
 waits for the thread; while a step runs, arrivals just queue.
 
+Run-ahead: a step process (``run_ahead`` > 0) goes on decoding the
+sequences of its last answered step on its own, and hands each such step
+back unasked (a job of its own, its ``stepped`` the sequences). The batcher
+takes their outputs as any step's, and submits a step only when the plan
+differs from what the executor already decodes (``_coast``): an admission,
+a slot to free, a paused or resumed reader. Outputs for a request that is
+done (cancelled, expired) are dropped, as those of a step in flight always
+were; the executor drops those of sequences it was told to free.
+
 Slots: the loop counts the KV-cache slots it has handed out. A sequence
 that finishes frees its slot inside the step; one that is cancelled or
 expires while holding a slot is freed by the thread at the start of the next

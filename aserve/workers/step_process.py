@@ -12,10 +12,11 @@ The parent keeps the engine's front (tokenizer and model shape, see
 loop. :class:`ProcessStepExecutor` is an :class:`~aserve.workers.job.Executor`,
 as :class:`aserve.workers.step_executor.StepExecutor` is: the continuous batcher
 submits one :class:`StepJob` at a time and gets it back through its
-``on_done``, on the loop. The job crosses a pipe as msgpack: new sequences
+``on_done``, on the loop; between jobs the child runs ahead (see the class).
+The job crosses a pipe as msgpack: new sequences
 as their validated settings (the child rebuilds them with
 :meth:`DecoderEngine.build_sequence`), the others by a key; outputs come back
-as plain fields. There is no thread on the parent side: the loop writes the
+as plain fields, each with its key. There is no thread on the parent side: the loop writes the
 request and reads the answer through the pipe's transport
 (:mod:`aserve.workers.pipe`). Layer: ``workers``; everything here runs on the
 loop, the child's side is :func:`aserve.workers.child.step_main`.
@@ -192,6 +193,8 @@ class ProcessStepExecutor:
         if msg[0] == "ready":
             return
         self._received += 1
+        if self.run_ahead and self._received - self._acked >= self._ack_every:
+            self._ack()
         answered = msg[3] if msg[0] == "step" else msg[2]
         if answered:
             job, self._job = self._job, None
@@ -226,14 +229,16 @@ class ProcessStepExecutor:
             if not answered:
                 job.running = [s for s in map(seqs.get, msg[3]) if s is not None]
         self._finish(job)
-        if self.run_ahead and self._received - self._acked >= self._ack_every:
-            self._acked = self._received
-            channel = self._sup.channel
-            try:
-                if channel is not None:
-                    channel.send(msgpack.packb(("ack", self._received)))
-            except OSError:
-                pass  # the child is gone: on_lost follows
+
+    def _ack(self) -> None:
+        """Tell the child how many answers have been read, so it may run on."""
+        self._acked = self._received
+        channel = self._sup.channel
+        try:
+            if channel is not None:
+                channel.send(msgpack.packb(("ack", self._received)))
+        except OSError:
+            pass  # the child is gone: on_lost follows
 
     def _forget(self, seqs: list[Sequence]) -> None:
         for s in seqs:
