@@ -212,7 +212,7 @@ def _serve_steps(
         # Take in all that is waiting; wait when there is nothing to run or the
         # server is run_ahead answers behind.
         while True:
-            can_run = job is not None or (active and sent - acked < run_ahead)
+            can_run = job is not None or (bool(active) and sent - acked < run_ahead)
             if can_run and not conn.poll():
                 break
             msg = msgpack.unpackb(conn.recv_bytes(), use_list=True)
