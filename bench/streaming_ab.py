@@ -56,7 +56,7 @@ from bench.streaming import (
 FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "engine_busy")
 
 
-def _config(path: Path, external: bool) -> dict[str, Any]:
+def _config(path: Path, external: bool, extra: dict[str, Any]) -> dict[str, Any]:
     return {
         "http": {"host": "127.0.0.1", "port": 0},
         "models": [
@@ -67,7 +67,7 @@ def _config(path: Path, external: bool) -> dict[str, Any]:
                 "device": "cpu",
                 "dtype": "float32",
                 "cpu_threads": 1,
-                "generation": generation_config(),
+                "generation": {**generation_config(), **extra},
             }
         ],
     }
@@ -141,6 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-dir", type=Path, default=None)
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent)
+    for lb in ("baseline", "this"):
+        p.add_argument(
+            f"--{lb}-generation",
+            type=json.loads,
+            default={},
+            help=f'JSON fields added to the {lb} server\'s "generation" block',
+        )
     args = p.parse_args(argv)
     if max(args.concurrency) > MAX_NUM_SEQS:
         p.error(f"--concurrency is at most max_num_seqs ({MAX_NUM_SEQS})")
@@ -155,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shape = "-".join(f"{k}{v}" for k, v in GPT2_SHAPE.items())
         path = build_lm(cache / f"gpt2-{shape}")
-    cfg_path = cache / "streaming-ab-aserve.json"
-    cfg_path.write_text(json.dumps(_config(path, external), indent=2))
+    configs = {}
+    for lb in ("baseline", "this"):
+        configs[lb] = _config(path, external, getattr(args, f"{lb}_generation"))
+        (cache / f"streaming-ab-{lb}.json").write_text(json.dumps(configs[lb], indent=2))
     try:
         import uvloop
     except ImportError:
@@ -169,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     ceilings: dict[str, list[dict[str, Any]]] = {}
     points: dict[str, dict[str, list[dict[str, Any]]]] = {lb: {} for lb in labels}
     with ExitStack() as stack:
-        servers = {lb: stack.enter_context(start_aserve(cfg_path, t)) for lb, t in trees.items()}
+        servers = {
+            lb: stack.enter_context(start_aserve(cache / f"streaming-ab-{lb}.json", t))
+            for lb, t in trees.items()
+        }
         for c in args.concurrency:
             key = str(c)
             runs = ceilings[key] = []
@@ -214,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": _describe(path) if external else f"seeded GPT-2, vocabulary {_vocab(path)}",
         "labels": labels,
         "trees": {lb: str(t) for lb, t in trees.items()},
+        "aserve_configs": configs,
         "concurrency": [str(c) for c in args.concurrency],
         "rounds": args.rounds,
         "duration_s": args.duration,

@@ -34,7 +34,7 @@ def two_ways(
     """gpt2 served twice: steps in a child process (the default) and on a thread."""
     gpt2 = next(m for m in decoder_models["models"] if m["name"] == "gpt2")
     models = [
-        {**gpt2, "name": "proc"},
+        {**gpt2, "name": "proc", "generation": {**GENERATION, "step_run_ahead": 4}},
         {**gpt2, "name": "thread", "generation": {**GENERATION, "step_process": False}},
     ]
     folder = tmp_path_factory.mktemp("step-process")

@@ -28,7 +28,11 @@ def ahead(
     models = [
         {**gpt2, "name": "ahead", "generation": {**GENERATION, "step_run_ahead": 4}},
         {**gpt2, "name": "thread", "generation": {**GENERATION, "step_process": False}},
-        {**gpt2, "name": "one", "generation": {**GENERATION, "max_num_seqs": 1}},
+        {
+            **gpt2,
+            "name": "one",
+            "generation": {**GENERATION, "max_num_seqs": 1, "step_run_ahead": 4},
+        },
     ]
     srv = start_server(write_config(tmp_path_factory.mktemp("run-ahead"), {"models": models}))
     yield srv
