@@ -49,6 +49,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. A server streams tokens t
 GPT2_SHAPE = {"n_layer": 4, "n_embd": 256, "n_head": 4, "n_positions": 512}
 MAX_NUM_SEQS = 32
 MAX_MODEL_LEN = 256
+TARGET = 0.9  # served tokens/s over the engine's own loop, at each point (issue 17)
 
 
 # --- the model ---------------------------------------------------------------------------
@@ -206,6 +207,19 @@ async def _client(session: Any, url: str, body: bytes, window: _Window) -> None:
                 window.error_samples.append(repr(exc))
 
 
+async def _engine_counters(session: Any, base_url: str) -> tuple[int, int, int]:
+    """The model's step time (ns, as the step process measured it), steps, and
+    steps run ahead (0 where the server does not count them)."""
+    async with session.get(f"{base_url}/v2/models/{MODEL_NAME}/stats") as r:
+        doc = (await r.json())["model_stats"][0]
+    gen = doc.get("generation", {})
+    return (
+        doc["inference_stats"]["compute_infer"]["ns"],
+        gen.get("step_count", 0),
+        gen.get("ahead_step_count", 0),
+    )
+
+
 async def stream_load(
     base_url: str,
     concurrency: int,
@@ -241,6 +255,7 @@ async def stream_load(
             asyncio.create_task(_client(session, url, body, window)) for _ in range(concurrency)
         ]
         await asyncio.sleep(warmup_s)
+        eng0 = await _engine_counters(session, base_url)
         srv0 = tree_cpu_seconds(server_pid) if server_pid else 0.0
         busy0 = system_busy_seconds()
         cpu0, t0 = time.process_time(), time.perf_counter()
@@ -250,6 +265,7 @@ async def stream_load(
         cpu1, t1 = time.process_time(), time.perf_counter()
         busy1 = system_busy_seconds()
         srv1 = tree_cpu_seconds(server_pid) if server_pid else 0.0
+        eng1 = await _engine_counters(session, base_url)
         window.stopping = True
         await asyncio.wait_for(asyncio.gather(*clients, return_exceptions=True), 120)
     elapsed = t1 - t0
@@ -270,6 +286,11 @@ async def stream_load(
         "itl_samples": len(itl),
         "errors": window.errors,
         "error_samples": window.error_samples,
+        # Of the window, the share the step process spent inside engine steps:
+        # what is left is it waiting for the loop (or for nothing to do).
+        "engine_busy": (eng1[0] - eng0[0]) / 1e9 / elapsed,
+        "steps": eng1[1] - eng0[1],
+        "ahead_steps": eng1[2] - eng0[2],
         "client_cpu_util": (cpu1 - cpu0) / elapsed,
         "server_cpu_util": (srv1 - srv0) / elapsed,
         "other_cpu_util": (busy1 - busy0 - (cpu1 - cpu0) - (srv1 - srv0)) / elapsed,
@@ -297,21 +318,25 @@ def render(results: dict[str, Any]) -> str:
         f"{results['duration_s']} s measured per point.",
         "",
         "| streams | aserve tokens/s | ceiling tokens/s | aserve / ceiling | TTFT p50 ms | "
-        "TTFT p99 ms | ITL p50 ms | ITL p99 ms | streams done | errors | server CPU | "
-        "client CPU | other CPU |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "TTFT p99 ms | ITL p50 ms | ITL p99 ms | engine busy | steps run ahead | streams done | "
+        "errors | server CPU | client CPU | other CPU |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c, s in results["served"].items():
         ceil = results["ceiling"][c]["tokens_per_s"]
         lines.append(
             f"| {c} | {s['tokens_per_s']:.0f} | {ceil:.0f} | {s['tokens_per_s'] / ceil:.2f} | "
             f"{s['ttft_p50_ms']:.1f} | {s['ttft_p99_ms']:.1f} | {s['itl_p50_ms']:.1f} | "
-            f"{s['itl_p99_ms']:.1f} | {s['streams_completed']} | {s['errors']} | "
+            f"{s['itl_p99_ms']:.1f} | {s['engine_busy']:.2f} | "
+            f"{s['ahead_steps'] / max(s['steps'], 1):.2f} | {s['streams_completed']} | {s['errors']} | "
             f"{s['server_cpu_util']:.2f} | {s['client_cpu_util']:.2f} | "
             f"{s['other_cpu_util']:.2f} |"
         )
     lines += [
         "",
+        "Engine busy: the share of the window the step process spent inside engine steps "
+        "(the rest it waited for the loop or had nothing to run); steps run ahead: the "
+        "share of the window's steps the step process ran without being asked. "
         "CPU columns are cores (CPU seconds per wall second in the window): the aserve "
         "process tree, the bench process (the SSE clients), and everything else on the "
         "machine. Each point and each ceiling first waits (up to 60 s) for the machine to "
@@ -328,13 +353,16 @@ def render(results: dict[str, Any]) -> str:
             f"| {c} | {k['tokens_per_s']:.0f} | {k['decode_step_ms']:.2f} | "
             f"{k['decode_only_tokens_per_s']:.0f} |"
         )
-    top = str(max(int(c) for c in results["served"]))
-    frac = results["served"][top]["tokens_per_s"] / results["ceiling"][top]["tokens_per_s"]
-    verdict = "meets" if frac >= 0.85 else "misses"
+    fracs = {
+        c: s["tokens_per_s"] / results["ceiling"][c]["tokens_per_s"]
+        for c, s in results["served"].items()
+    }
+    verdict = "meets" if min(fracs.values()) >= TARGET else "misses"
     lines += [
         "",
-        f"aserve at {top} streams / ceiling at batch {top}: **{frac:.2f}** ({verdict} the 0.85 "
-        "target).",
+        "aserve / ceiling at the same batch: "
+        + ", ".join(f"{c} streams **{f:.2f}**" for c, f in fracs.items())
+        + f" ({verdict} the {TARGET} target at every point).",
         "",
     ]
     if results.get("notes"):
@@ -353,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ceiling-seconds", type=float, default=6.0, help="per batch size")
     p.add_argument("--cache-dir", type=Path, default=None)
     p.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent)
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="serve this model folder instead of the seeded GPT-2 (e.g. SmolLM2-135M "
+        "from scripts/convert-smollm2)",
+    )
     args = p.parse_args(argv)
     if max(args.concurrency) > MAX_NUM_SEQS:
         p.error(f"--concurrency is at most max_num_seqs ({MAX_NUM_SEQS})")
@@ -362,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     loadavg_before = [round(x, 2) for x in os.getloadavg()]
     cache = args.cache_dir or default_cache_dir()
     shape = "-".join(f"{k}{v}" for k, v in GPT2_SHAPE.items())
-    path = build_lm(cache / f"gpt2-{shape}")
+    if args.model_dir is not None:
+        path = args.model_dir.resolve()
+    else:
+        path = build_lm(cache / f"gpt2-{shape}")
 
     print("streaming: in-process ceilings", file=sys.stderr, flush=True)
     ceilings: dict[str, Any] = {}
@@ -383,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "name": MODEL_NAME,
                 "engine": "decoder",
-                "path": path.name,
+                "path": str(path) if args.model_dir is not None else path.name,
                 "device": "cpu",
                 "dtype": "float32",
                 "cpu_threads": 1,
@@ -411,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"  aserve {c:2d} streams: {out['tokens_per_s']:.0f} tokens/s, TTFT p50 "
                 f"{out['ttft_p50_ms']:.1f} ms p99 {out['ttft_p99_ms']:.1f} ms, ITL p50 "
-                f"{out['itl_p50_ms']:.1f} ms p99 {out['itl_p99_ms']:.1f} ms, errors "
+                f"{out['itl_p50_ms']:.1f} ms p99 {out['itl_p99_ms']:.1f} ms, engine busy "
+                f"{out['engine_busy']:.2f}, errors "
                 f"{out['errors']}, other load {out['other_cpu_util']:.2f} cores",
                 file=sys.stderr,
                 flush=True,
@@ -427,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_before": loadavg_before,
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         },
-        "model": (
+        "model": _describe(path)
+        if args.model_dir is not None
+        else (
             "GPT-2 architecture, "
             + ", ".join(f"{k} {v}" for k, v in GPT2_SHAPE.items())
             + f", vocabulary {_vocab(path)} (seeded, Metaspace BPE)"
@@ -445,6 +486,17 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "RESULTS-streaming.md").write_text(render(results))
     print(f"streaming: wrote {args.out_dir / 'RESULTS-streaming.md'}", file=sys.stderr)
     return 0
+
+
+def _describe(path: Path) -> str:
+    """A served model folder, as the report names it (from its config.json)."""
+    c = json.loads((path / "config.json").read_text())
+    layers = c.get("num_hidden_layers", c.get("n_layer"))
+    width = c.get("hidden_size", c.get("n_embd"))
+    return (
+        f"{path.name} ({c.get('model_type')}, {layers} layers, width {width}, "
+        f"vocabulary {c['vocab_size']})"
+    )
 
 
 def _vocab(path: Path) -> int:

@@ -332,3 +332,107 @@ async def test_a_burst_that_slots_and_queue_can_take_is_taken() -> None:
     ex.answer(finished={"2", "3"})
     assert [(await r.collect())[0] for r in burst] == ["<0>", "<1>", "<2>", "<3>"]
     assert stats.rejected["queue_full"] == 2
+
+
+# --- an executor that runs ahead (as the step process does) ---------------------------------
+
+
+class AheadExecutor(FakeExecutor):
+    """A FakeExecutor that, once a step is answered, goes on with its sequences
+    unasked: the test plays those steps with :meth:`ahead`."""
+
+    run_ahead = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.coasting: list[Any] = []
+
+    def answer(self, finished: set[Any] = frozenset(), error: Exception | None = None) -> StepJob:
+        job = super().answer(finished, error)
+        members = [*job.new, *job.running]
+        self.coasting = [] if error else [s for s in members if s not in finished]
+        return job
+
+    def ahead(self, finished: set[Any] = frozenset()) -> None:
+        """One step the executor ran on its own, as the step process answers it."""
+        seqs = list(self.coasting)
+        job = StepJob([], seqs, [], self.jobs[-1].on_done)
+        job.stepped = seqs
+        job.outputs = [
+            StepOutput(
+                str(s), 7, f"<{s}>", s in finished, "length" if s in finished else None, 3, 1
+            )
+            for s in seqs
+        ]
+        self.coasting = [s for s in seqs if s not in finished]
+        job.on_done(job)
+
+
+def make_ahead(**generation: Any) -> tuple[ContinuousBatcher, AheadExecutor, ModelStats]:
+    executor, stats = AheadExecutor(), ModelStats("m", "1")
+    config = GenerationConfig(**{"max_num_seqs": 2, "max_prefill_tokens": 100, **generation})
+    return ContinuousBatcher("m/1", config, executor, stats, Clock()), executor, stats
+
+
+async def test_steps_run_ahead_are_taken_without_a_new_step() -> None:
+    b, ex, stats = make_ahead()
+    a = b.submit("a", 10, 60)  # type: ignore[arg-type]
+    c = b.submit("c", 10, 60)  # type: ignore[arg-type]
+    await settle()
+    ex.answer()
+    ex.ahead()
+    ex.ahead(finished={"c"})  # c's slot is freed by the engine: nothing to tell it
+    assert len(ex.jobs) == 1 and b.slots_held == 1 and b.ahead_steps == 2
+    ex.ahead(finished={"a"})
+    assert len(ex.jobs) == 1 and b.idle and b.slots_held == 0
+    assert (await a.collect())[0] == "<a>" * 4 and (await c.collect())[0] == "<c>" * 3
+    assert stats.success.count == 2 and b.statistics()["ahead_step_count"] == 3
+    # An arrival with nothing running is a step of its own again.
+    b.submit("d", 10, 60)  # type: ignore[arg-type]
+    await settle()
+    assert len(ex.jobs) == 2 and ex.jobs[-1].new == ["d"]
+
+
+async def test_a_cancel_while_running_ahead_frees_the_slot_and_drops_late_tokens() -> None:
+    b, ex, stats = make_ahead()
+    a = b.submit("a", 10, 60)  # type: ignore[arg-type]
+    x = b.submit("x", 10, 60)  # type: ignore[arg-type]
+    await settle()
+    ex.answer()
+    ex.ahead()
+    assert await anext(x) is not None
+    x.cancel()
+    await settle()
+    # The next step the batcher sends frees x's slot; the rest goes on.
+    assert ex.jobs[-1].free == ["x"] and ex.jobs[-1].running == ["a"] and b.slots_held == 1
+    ex.ahead()  # run before the step above reached it: x's token is dropped
+    assert stats.cancelled == 1 and x.channel.backlog == 0
+    ex.answer()
+    ex.ahead(finished={"a"})
+    assert len(ex.jobs) == 2 and b.idle and b.slots_held == 0
+    assert (await a.collect())[0] == "<a>" * 5
+
+
+async def test_a_reader_that_falls_behind_stops_the_running_ahead_for_it() -> None:
+    b, ex, _ = make_ahead(stream_buffer_chunks=2)
+    slow = b.submit("slow", 1, 60)  # type: ignore[arg-type]
+    fast = b.submit("fast", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    ex.answer()
+    await anext(fast)
+    ex.ahead()
+    await anext(fast)
+    # slow has 2 unread outputs: a step leaves it out.
+    assert len(ex.jobs) == 2 and ex.jobs[-1].running == ["fast"] and slow.channel.paused
+    ex.ahead()  # ran before that step arrived: kept, not lost
+    await anext(fast)
+    assert slow.channel.backlog == 3
+    ex.answer()
+    await anext(fast)
+    ex.ahead()
+    await anext(fast)
+    assert len(ex.jobs) == 2  # fast alone goes on unasked
+    delta = await anext(slow)  # reading resumes it: a step brings it back
+    assert delta.text == "<slow>" * 3
+    await settle()
+    assert ex.jobs[-1].running == ["fast", "slow"] or ex.jobs[-1].running == ["slow", "fast"]

@@ -34,7 +34,7 @@ def two_ways(
     """gpt2 served twice: steps in a child process (the default) and on a thread."""
     gpt2 = next(m for m in decoder_models["models"] if m["name"] == "gpt2")
     models = [
-        {**gpt2, "name": "proc"},
+        {**gpt2, "name": "proc", "generation": {**GENERATION, "step_run_ahead": 4}},
         {**gpt2, "name": "thread", "generation": {**GENERATION, "step_process": False}},
     ]
     folder = tmp_path_factory.mktemp("step-process")
@@ -86,14 +86,18 @@ async def test_killed_step_process_fails_its_streams_and_comes_back(
         await asyncio.wait_for(watching.wait(), 30)  # its first answer: SERVING
         body = {"model": "proc", "prompt": "Hi", "max_tokens": 120, "stream": True}
         body["ignore_eos"] = True
+        before = (await gen_stats(session, base, "proc"))["generation"]
         async with session.post(base + "/v1/completions", json=body) as r:
             assert r.status == 200
-            await r.content.readuntil(b"\n\n")  # the stream is running
+            for _ in range(3):  # the stream is running, and tokens 2 and 3 came
+                await r.content.readuntil(b"\n\n")  # from steps the child ran ahead
             os.kill(child.pid, signal.SIGKILL)
             events = (await asyncio.wait_for(r.content.read(), 20)).split(b"\n\n")
         # The stream ends with an error event naming what happened, not a hang.
         docs = [orjson.loads(e[6:]) for e in events if e.startswith(b"data: {")]
         assert "step process" in docs[-1]["error"]["message"]
+        running_ahead = (await gen_stats(session, base, "proc"))["generation"]
+        assert running_ahead["ahead_step_count"] >= before["ahead_step_count"] + 2
         # A new child is started; until then the model is not ready.
         deadline = time.monotonic() + 30
         while True:

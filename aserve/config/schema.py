@@ -194,6 +194,14 @@ class GenerationConfig(_Frozen):
     """Run the engine's steps in a child process of its own (its own GIL), so
     the server's HTTP and gRPC work never slows a step down; false runs them
     on a thread of the server process (less memory, one process fewer)."""
+    step_run_ahead: Annotated[int, Field(ge=0, le=64)] = 4
+    """Steps the step process may decode on its own past the last answer the
+    server has read: it goes on with its running sequences instead of waiting
+    for a round trip of the pipe per step, and admissions, cancellations and
+    paused readers reach it between any two steps. A few steps hide the loop's
+    stalls (a burst of writes to the streams); each one costs at most a token
+    of wasted work per cancelled sequence and a token over a paused reader's
+    buffer. 0: one round trip per step. The step thread never runs ahead."""
 
     @cached_property
     def prompt_bytes_limit(self) -> int:

@@ -11,6 +11,15 @@ sequences have left, waiting ones are admitted as slots and the prefill
 budget allow, paused ones (their reader is behind) sit out. The loop never
 waits for the thread; while a step runs, arrivals just queue.
 
+Run-ahead: a step process (``run_ahead`` > 0) goes on decoding the
+sequences of its last answered step on its own, and hands each such step
+back unasked (a job of its own, its ``stepped`` the sequences). The batcher
+takes their outputs as any step's, and submits a step only when the plan
+differs from what the executor already decodes (``_coast``): an admission,
+a slot to free, a paused or resumed reader. Outputs for a request that is
+done (cancelled, expired) are dropped, as those of a step in flight always
+were; the executor drops those of sequences it was told to free.
+
 Slots: the loop counts the KV-cache slots it has handed out. A sequence
 that finishes frees its slot inside the step; one that is cancelled or
 expires while holding a slot is freed by the thread at the start of the next
@@ -189,11 +198,21 @@ class ContinuousBatcher:
         self._to_free: dict[int, GenerationRequest] = {}  # left the batch, slot not yet freed
         self._slots_held = 0
         self._in_flight: StepJob | None = None
+        # A step process decodes the running set of its last answered step on
+        # its own (run-ahead) and answers those steps unasked: the batcher then
+        # submits a step only when that set changes. ``_coast`` holds the ids of
+        # the requests it decodes so (None: it waits for a step); executors
+        # without ``run_ahead`` never step unasked.
+        self._run_ahead = getattr(executor, "run_ahead", 0) > 0
+        self._coast: set[int] | None = None
+        # The request of each sequence an executor may still answer for.
+        self._by_seq: dict[Any, GenerationRequest] = {}
         self._step_soon = False
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
         # Observability (the model's statistics).
         self.steps = 0
+        self.ahead_steps = 0  # steps the executor ran on its own
         self.generated_tokens = 0
         self.prompt_tokens = 0
         self.step_batch_sizes: dict[int, int] = {}
@@ -336,14 +355,16 @@ class ContinuousBatcher:
             ))  # fmt: skip
         new = [queue[i] for i in plan.admit]
         decode = [running[i] for i in plan.decode]
-        free = list(self._to_free.values())
-        self._to_free.clear()
-        if not new and not decode and not free:
+        if not new and not self._to_free and self._goes_on(decode):
             self._arm_timer(plan.wake_at)
             return
+        free = list(self._to_free.values())
+        self._to_free.clear()
         self._disarm_timer()
+        by_seq = self._by_seq
         for r in free:
             r.holds_slot = False
+            by_seq.pop(r.sequence, None)  # the executor drops what it still answers for it
         self._slots_held -= len(free)
         queue_ns = 0
         observe_queue = self._stats.queue_seconds.observe
@@ -352,6 +373,7 @@ class ContinuousBatcher:
             r.admitted = now
             r.holds_slot = True
             self._running[r.id] = r
+            by_seq[r.sequence] = r
             queue_ns += int((now - r.arrival) * 1e9)
             observe_queue(now - r.arrival)
         if new:
@@ -361,22 +383,52 @@ class ContinuousBatcher:
         self._in_flight = job
         self._executor.submit(job)
 
-    def _on_step_done(self, job: _Step) -> None:
-        """A step came back from the thread (called on the loop)."""
-        self._in_flight = None
+    def _goes_on(self, decode: list[GenerationRequest]) -> bool:
+        """Whether decoding ``decode`` (and nothing else) needs no step submitted:
+        the executor already decodes exactly these on its own, or nothing runs."""
+        coast = self._coast
+        if not coast:
+            return not decode
+        return len(decode) == len(coast) and all(r.id in coast for r in decode)
+
+    def _on_step_done(self, job: StepJob) -> None:
+        """A step came back from the executor (called on the loop): the one
+        submitted, or one it ran ahead on its own."""
+        asked = job is self._in_flight
+        if asked:
+            self._in_flight = None
+        else:
+            self.ahead_steps += 1
         t0 = time.perf_counter_ns()
-        reqs = job.reqs
+        if asked and job.stepped is None:
+            reqs: list[GenerationRequest | None] = job.reqs  # type: ignore[attr-defined]
+        else:
+            by_seq = self._by_seq
+            seqs = job.stepped if job.stepped is not None else job.running
+            reqs = [by_seq.get(s) for s in seqs]
         if job.error is not None:
-            self._step_failed(job, reqs)
+            self._coast = None  # the executor waits for the next step
+            self._step_failed(job, [r for r in reqs if r is not None])
         else:
             now = self._clock()
             stats = self._stats
+            if asked and self._run_ahead:
+                self._coast = set()  # from now on it decodes these unasked
+            coast = self._coast
             for req, out in zip(reqs, job.outputs, strict=True):
-                if out.finished and req.holds_slot:
-                    # The engine freed the slot when the sequence finished.
-                    req.holds_slot = False
-                    self._slots_held -= 1
-                    self._to_free.pop(req.id, None)
+                if req is None:
+                    continue  # freed since (the executor should have dropped it)
+                if out.finished:
+                    self._by_seq.pop(req.sequence, None)
+                    if coast is not None:
+                        coast.discard(req.id)
+                    if req.holds_slot:
+                        # The engine freed the slot when the sequence finished.
+                        req.holds_slot = False
+                        self._slots_held -= 1
+                        self._to_free.pop(req.id, None)
+                elif asked and coast is not None:
+                    coast.add(req.id)
                 if req.state is not State.RUNNING:
                     continue  # cancelled or expired while the step ran: nobody reads it
                 if out.error is not None:  # this member failed alone; the others go on
@@ -427,6 +479,7 @@ class ContinuousBatcher:
     def _requeue(self, reqs: list[GenerationRequest]) -> None:
         """Sequences of a step that never reached the engine wait again, in order."""
         for req in reqs:
+            self._by_seq.pop(req.sequence, None)
             if req.state is not State.RUNNING:
                 continue  # cancelled or expired meanwhile
             del self._running[req.id]
@@ -448,6 +501,7 @@ class ContinuousBatcher:
         log.warning("step of %d sequence(s) on '%s' failed: %r", len(reqs), self.label, job.error)
         error = InternalError(f"model '{self.label}' failed: {job.error}")
         for req in reqs[: len(job.new)]:
+            self._by_seq.pop(req.sequence, None)
             if req.holds_slot:
                 req.holds_slot = False
                 self._slots_held -= 1
@@ -476,6 +530,7 @@ class ContinuousBatcher:
         """The engine lost every started sequence (its step process died):
         end each running request; waiting ones stay queued for the new engine."""
         failure = InternalError(f"model '{self.label}' failed: {error}")
+        self._coast = None
         for req in list(self._running.values()):
             self._end(req, failure)
         self._kick()
@@ -500,6 +555,7 @@ class ContinuousBatcher:
             "kv_slots_in_use": self._slots_held,
             "max_num_seqs": self.limits.max_num_seqs,
             "step_count": self.steps,
+            "ahead_step_count": self.ahead_steps,
             "generated_tokens": self.generated_tokens,
             "prompt_tokens": self.prompt_tokens,
             "step_batch_sizes": {str(k): v for k, v in sorted(self.step_batch_sizes.items())},

@@ -164,9 +164,10 @@ def step_main(conn: Connection, args: WorkerArgs) -> None:
         from aserve.types.generation import SamplingParams
 
         torch.set_num_interop_threads(1)
+        generation = GenerationConfig(**args.generation)
         engine = DecoderEngine(
             args.model_path,
-            GenerationConfig(**args.generation),
+            generation,
             args.device,
             args.dtype,
             args.cpu_threads,
@@ -178,7 +179,7 @@ def step_main(conn: Connection, args: WorkerArgs) -> None:
         return
     conn.send_bytes(msgpack.packb(("ready",)))
     try:
-        _serve_steps(conn, engine, releaser, SamplingParams)
+        _serve_steps(conn, engine, releaser, SamplingParams, generation.step_run_ahead)
     except (EOFError, OSError):
         pass  # the server has gone
 
@@ -188,34 +189,63 @@ def _serve_steps(
     engine: DecoderEngine,
     releaser: CacheReleaser | None,
     params_type: type[SamplingParams],
+    run_ahead: int,
 ) -> None:
+    """Run steps as the server says, and between its word run ahead of it.
+
+    The server sends ``("step", acked, free, new, running)`` when what runs
+    changes (admissions, cancellations and expiries to free, paused readers
+    left out, resumed ones back) and ``("ack", acked)`` as it reads answers;
+    ``acked`` counts the answers it has taken in. With no message waiting,
+    the child decodes its running sequences again on its own, up to
+    ``run_ahead`` answers past ``acked``: the server no longer makes a round
+    trip of the pipe per step. Each answer names its sequences by key, and
+    says whether it is the first step after a ``"step"`` message (the
+    server's job); a key the server has freed meanwhile is dropped there.
+    """
     seqs: dict[int, Sequence] = {}
+    active: list[int] = []  # the keys the next step decodes, in order
+    sent = acked = 0
     perf = time.perf_counter_ns
     while True:
-        msg = msgpack.unpackb(conn.recv_bytes(), use_list=True)
-        if msg[0] == "stop":
-            return
-        _, free, new_specs, running_keys = msg
-        for key in free:
-            seq = seqs.pop(key, None)
-            if seq is not None:
-                engine.free(seq)
-        # A new sequence that cannot be built fails alone; the step runs for the rest.
+        job = None
+        # Take in all that is waiting; wait when there is nothing to run or the
+        # server is run_ahead answers behind.
+        while True:
+            can_run = job is not None or (bool(active) and sent - acked < run_ahead)
+            if can_run and not conn.poll():
+                break
+            msg = msgpack.unpackb(conn.recv_bytes(), use_list=True)
+            if msg[0] == "stop":
+                return
+            acked = max(acked, msg[1])
+            if msg[0] == "step":
+                job = msg
         new: list[Sequence] = []
-        built: dict[int, Sequence | str] = {}
-        for key, request_id, prompt_ids, params, max_tokens, stop_ids in new_specs:
-            try:
-                seq = engine.build_sequence(
-                    request_id, prompt_ids, _params(params, params_type), max_tokens, stop_ids
-                )
-            except Exception as exc:
-                built[key] = f"{type(exc).__name__}: {exc}"
-                continue
-            built[key] = seqs[key] = seq
-            new.append(seq)
-        new_keys = [spec[0] for spec in new_specs]
+        new_keys: list[int] = []
+        built: dict[int, str] = {}  # new keys that failed to build: why
+        if job is not None:
+            _, _, free, new_specs, running_keys = job
+            for key in free:
+                seq = seqs.pop(key, None)
+                if seq is not None:
+                    engine.free(seq)
+            # A new sequence that cannot be built fails alone; the step runs for the rest.
+            for key, request_id, prompt_ids, params, max_tokens, stop_ids in new_specs:
+                new_keys.append(key)
+                try:
+                    seq = engine.build_sequence(
+                        request_id, prompt_ids, _params(params, params_type), max_tokens, stop_ids
+                    )
+                except Exception as exc:
+                    built[key] = f"{type(exc).__name__}: {exc}"
+                    continue
+                seqs[key] = seq
+                new.append(seq)
+            # One that finished while the server's word was on its way is gone already.
+            active = [k for k in running_keys if k in seqs]
         try:
-            running = [_lookup(seqs, k) for k in running_keys]
+            running = [seqs[k] for k in active]
             t0 = perf()
             outputs = iter(engine.step(new, running))
             infer_ns = perf() - t0
@@ -224,19 +254,29 @@ def _serve_steps(
                 seq = seqs.pop(key, None)
                 if seq is not None:
                     engine.free(seq)
-            conn.send_bytes(msgpack.packb(("error", f"{type(exc).__name__}: {exc}")))
+            # The running ones keep their slots until the server frees them;
+            # nothing runs ahead on them.
+            failed, active = active, []
+            conn.send_bytes(
+                msgpack.packb(("error", f"{type(exc).__name__}: {exc}", job is not None, failed))
+            )
+            sent += 1
             continue
         answer = []
-        for key in [*new_keys, *running_keys]:
-            failed = built.get(key)
-            if isinstance(failed, str):
-                answer.append((-1, "", True, None, 0, 0, failed, "invalid_argument"))
+        still: list[int] = []
+        for key in [*new_keys, *active]:
+            failed_build = built.get(key)
+            if failed_build is not None:
+                answer.append((key, -1, "", True, None, 0, 0, failed_build, "invalid_argument"))
                 continue
             out = next(outputs)
             if out.finished:
                 seqs.pop(key, None)
+            else:
+                still.append(key)
             answer.append(
                 (
+                    key,
                     out.token_id,
                     out.text,
                     out.finished,
@@ -247,7 +287,9 @@ def _serve_steps(
                     out.error_code,
                 )
             )
-        conn.send_bytes(msgpack.packb(("step", answer, infer_ns)))
+        active = still
+        conn.send_bytes(msgpack.packb(("step", answer, infer_ns, job is not None)))
+        sent += 1
         if releaser is not None:
             releaser.maybe()  # after answering: the release is off the step's latency
 
@@ -257,10 +299,3 @@ def _params(fields: list[Any], cls: type[SamplingParams]) -> SamplingParams:
     brings the tuples back as lists)."""
     p = cls(*fields)
     return dataclasses.replace(p, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids))
-
-
-def _lookup(seqs: dict[int, Sequence], key: int) -> Sequence:
-    seq = seqs.get(key)
-    if seq is None:
-        raise LookupError(f"sequence {key} is not in this step process (lost in a restart?)")
-    return seq

@@ -158,6 +158,10 @@ class StepJob:
     ``new`` are prefilled and ``running`` decoded; ``outputs`` has one entry
     per sequence of ``new + running``, in that order, unless ``error`` is set
     (``not_run`` too when the step never reached the engine).
+    ``stepped``, when the executor sets it, are the sequences ``outputs`` are
+    for instead (a step process that runs ahead answers with those it still
+    decoded, and also makes jobs of its own for the steps it ran unasked:
+    see :class:`~aserve.workers.step_process.ProcessStepExecutor`).
     ``tag`` is the submitter's own bookkeeping; the executor never reads it.
     The outcome fields start as class defaults, as :class:`BatchJob`'s do.
     """
@@ -168,6 +172,7 @@ class StepJob:
     on_done: Callable[[Any], Any]
     tag: Any = None
     outputs: Sequence[StepOutput] = ()
+    stepped: Sequence[DecoderSequence] | None = None
     error: BaseException | None = None
     not_run = False  # with error: the step never reached the engine
     infer_ns = 0

@@ -43,6 +43,9 @@ class StepExecutor:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.restarts = 0  # a step thread is never replaced
+        # Never runs a step unasked: handing a step back costs a thread switch,
+        # not a pipe's round trip (see ProcessStepExecutor.run_ahead).
+        self.run_ahead = 0
         self.on_live: Callable[[], Any] | None = None  # never called: ``live`` stays 1
 
     async def start(self) -> None:

@@ -12,10 +12,11 @@ The parent keeps the engine's front (tokenizer and model shape, see
 loop. :class:`ProcessStepExecutor` is an :class:`~aserve.workers.job.Executor`,
 as :class:`aserve.workers.step_executor.StepExecutor` is: the continuous batcher
 submits one :class:`StepJob` at a time and gets it back through its
-``on_done``, on the loop. The job crosses a pipe as msgpack: new sequences
+``on_done``, on the loop; between jobs the child runs ahead (see the class).
+The job crosses a pipe as msgpack: new sequences
 as their validated settings (the child rebuilds them with
 :meth:`DecoderEngine.build_sequence`), the others by a key; outputs come back
-as plain fields. There is no thread on the parent side: the loop writes the
+as plain fields, each with its key. There is no thread on the parent side: the loop writes the
 request and reads the answer through the pipe's transport
 (:mod:`aserve.workers.pipe`). Layer: ``workers``; everything here runs on the
 loop, the child's side is :func:`aserve.workers.child.step_main`.
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from aserve.config import GenerationConfig
 from aserve.errors import InvalidArgument
 from aserve.types.generation import StepOutput
 from aserve.workers.child import WorkerArgs, step_main
@@ -61,11 +63,28 @@ class StepProcessError(RuntimeError):
 
 
 class ProcessStepExecutor:
-    """Runs one decoder engine's steps in a child process, in submission order."""
+    """Runs one decoder engine's steps in a child process, in submission order.
+
+    Run-ahead (``generation.step_run_ahead`` steps, :attr:`run_ahead`): once a
+    job is answered, the child goes on decoding that job's sequences (less
+    those that finished) without a new one, and each such step comes back as
+    a job of this executor's own (``running`` the sequences it stepped,
+    ``stepped`` too), handed to the last submitted job's ``on_done``. A
+    submitted job says what changes: its ``free`` are freed, its ``new``
+    prefilled, and its ``running`` become the set the child decodes (it is
+    applied between two steps; a member that finished meanwhile is skipped).
+    Answers carry their sequences (``stepped``); those of a sequence freed
+    since are dropped here: a cancelled sequence's late tokens never reach
+    the batcher.
+    """
 
     def __init__(self, args: WorkerArgs, on_lost: Callable[[BaseException], None]) -> None:
         self.args = args
         self.name = args.name
+        self.run_ahead = GenerationConfig(**args.generation).step_run_ahead
+        # Acknowledge every other answer: the child, run_ahead past the last
+        # acknowledgement, is then never stopped by one on its way.
+        self._ack_every = max(1, self.run_ahead // 2)
         self._on_lost = on_lost
         self.on_live: Callable[[], Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -74,8 +93,12 @@ class ProcessStepExecutor:
             StepProcessError, self._on_message, self._lost, self._live_changed,
         )  # fmt: skip
         self._job: StepJob | None = None
+        self._on_done: Callable[[Any], Any] | None = None  # where steps run ahead are answered
         self._keys: dict[Sequence, int] = {}  # parent sequence -> the child's key
+        self._seqs: dict[int, Sequence] = {}  # and back
         self._next_key = 0
+        self._received = 0  # answers read from this child
+        self._acked = 0  # the last count of them told to it
         self._stopping = False
         self._gone = False  # a send failed: no more steps until the supervisor has news
 
@@ -100,31 +123,39 @@ class ProcessStepExecutor:
 
     def submit(self, job: StepJob) -> None:
         """Send a step to the child (loop side, never waits for it)."""
+        self._on_done = job.on_done
         if not self.live:
             job.error = StepProcessError(f"the step process of '{self.name}' is restarting")
             job.not_run = True
             self._finish(job)
             return
-        free = [k for k in (self._keys.pop(s, None) for s in job.free) if k is not None]
+        free = []
+        for s in job.free:
+            key = self._keys.pop(s, None)
+            if key is not None:
+                del self._seqs[key]
+                free.append(key)
         new = []
         for s in job.new:
             key = self._next_key
             self._next_key += 1
             self._keys[s] = key
+            self._seqs[key] = s
             new.append(_wire_spec(key, s))
-        running = [self._keys[s] for s in job.running]
+        # One the child finished while this job was formed is no longer known here.
+        running = [k for k in map(self._keys.get, job.running) if k is not None]
         try:
-            payload = msgpack.packb(("step", free, new, running))
+            payload = msgpack.packb(("step", self._received, free, new, running))
         except (TypeError, ValueError, OverflowError) as exc:
             # check() refuses such a sequence before it is queued; should one
             # still get here, its step fails (every member) instead of leaving
             # the batcher waiting for an answer that never comes.
-            for s in job.new:
-                self._keys.pop(s, None)
+            self._forget(job.new)
             job.error = StepProcessError(f"a step of '{self.name}' cannot be sent: {exc}")
             self._finish(job)
             return
         self._job = job
+        self._acked = self._received
         channel = self._sup.channel
         assert channel is not None  # live
         try:
@@ -132,8 +163,7 @@ class ProcessStepExecutor:
         except OSError as exc:  # the child is gone; on_lost follows once it is reaped
             self._job = None
             self._gone = True  # the batcher waits for on_live
-            for s in job.new:
-                self._keys.pop(s, None)
+            self._forget(job.new)
             job.error = StepProcessError(f"the step process of '{self.name}' is gone: {exc}")
             job.not_run = True
             self._finish(job)
@@ -161,24 +191,58 @@ class ProcessStepExecutor:
         msg = msgpack.unpackb(payload, use_list=True)
         if msg[0] == "ready":
             return
-        job, self._job = self._job, None
-        if job is None:
-            log.error("step process of '%s' answered with no step in flight", self.name)
+        self._received += 1
+        if self.run_ahead and self._received - self._acked >= self._ack_every:
+            self._ack()
+        answered = msg[3] if msg[0] == "step" else msg[2]
+        if answered:
+            job, self._job = self._job, None
+            if job is None:
+                log.error("step process of '%s' answered with no step in flight", self.name)
+                return
+        elif self._on_done is None:
+            log.error("step process of '%s' ran a step nobody asked for", self.name)
             return
-        seqs = job.new + job.running
+        else:
+            job = _Unasked(self._on_done)
+        seqs = self._seqs
         if msg[0] == "step":
-            outputs, job.infer_ns = msg[1], msg[2]
-            job.outputs = [
-                StepOutput(s.request_id, *out) for s, out in zip(seqs, outputs, strict=True)
-            ]
-            for s, out in zip(seqs, job.outputs, strict=True):
-                if out.finished:  # the child freed its slot and forgot it
-                    self._keys.pop(s, None)
+            rows, job.infer_ns = msg[1], msg[2]
+            stepped, outputs = [], []
+            for key, *out in rows:
+                s = seqs.get(key)
+                if s is None:
+                    continue  # freed by the batcher since: nobody reads it
+                stepped.append(s)
+                outputs.append(StepOutput(s.request_id, *out))
+                if out[2]:  # finished: the child freed its slot and forgot it
+                    del seqs[key]
+                    del self._keys[s]
+            job.stepped, job.outputs = stepped, outputs
+            if not answered:
+                job.running = stepped
         else:  # "error": the new sequences are gone in the child, the running ones stay
             job.error = StepProcessError(msg[1])
-            for s in job.new:
-                self._keys.pop(s, None)
+            self._forget(job.new)
+            if not answered:
+                job.running = [s for s in map(seqs.get, msg[3]) if s is not None]
         self._finish(job)
+
+    def _ack(self) -> None:
+        """Tell the child how many answers have been read, so it may run on."""
+        self._acked = self._received
+        channel = self._sup.channel
+        try:
+            if channel is not None:
+                channel.send(msgpack.packb(("ack", self._received)))
+        except OSError:
+            pass  # the child is gone: on_lost follows
+
+    def _forget(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            key = self._keys.pop(s, None)
+            if key is not None:
+                del self._seqs[key]
 
     def _finish(self, job: StepJob) -> None:
         assert self._loop is not None
@@ -193,6 +257,8 @@ class ProcessStepExecutor:
         error = StepProcessError(reason)
         job, self._job = self._job, None
         self._keys.clear()
+        self._seqs.clear()
+        self._received = self._acked = 0  # the new child counts from 0
         if job is not None:
             job.error = error
             self._finish(job)
@@ -202,6 +268,14 @@ class ProcessStepExecutor:
         self._gone = False
         if self.on_live is not None:
             self.on_live()
+
+
+class _Unasked(StepJob):
+    """A step the child ran ahead on its own, answered as a job of this executor's."""
+
+    def __init__(self, on_done: Callable[[Any], Any]) -> None:
+        # Set here, not through StepJob.__init__: one frame fewer per step.
+        self.new, self.running, self.free, self.on_done = [], [], [], on_done
 
 
 def _wire_spec(key: int, s: Sequence) -> tuple[Any, ...]:
