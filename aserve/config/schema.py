@@ -194,14 +194,18 @@ class GenerationConfig(_Frozen):
     """Run the engine's steps in a child process of its own (its own GIL), so
     the server's HTTP and gRPC work never slows a step down; false runs them
     on a thread of the server process (less memory, one process fewer)."""
-    step_run_ahead: Annotated[int, Field(ge=0, le=64)] = 4
+    step_run_ahead: Annotated[int, Field(ge=0, le=64)] = 0
     """Steps the step process may decode on its own past the last answer the
     server has read: it goes on with its running sequences instead of waiting
     for a round trip of the pipe per step, and admissions, cancellations and
     paused readers reach it between any two steps. A few steps hide the loop's
     stalls (a burst of writes to the streams); each one costs at most a token
     of wasted work per cancelled sequence and a token over a paused reader's
-    buffer. 0: one round trip per step. The step thread never runs ahead."""
+    buffer. 0 (the default): one round trip per step. Off by default because,
+    measured on 2 cores with the client beside the server (RESULTS-streaming.md),
+    it gained at 1 stream and lost at 8 and 32, where the step process that
+    never waits took the CPU the server needs to write the streams. The step
+    thread never runs ahead."""
 
     @cached_property
     def prompt_bytes_limit(self) -> int:
