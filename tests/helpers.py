@@ -132,3 +132,21 @@ def resolve_in_threads(name: str, count: int) -> list[Any]:
         t.join(60)
     assert not any(t.is_alive() for t in threads), "a builder never finished"
     return results
+
+
+class StandInEngine:
+    """What an executor needs of an engine, for executor tests that must hold or
+    break a batch at will: instances are their index, inputs ``X`` stacked, outputs
+    not checked. Subclasses give ``run`` (and ``inline_capable`` True to let tiny
+    batches run on the loop)."""
+
+    inline_capable = False
+
+    def create_instance(self, index: int) -> Any:
+        return index
+
+    def stack_inputs(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        return {"X": np.concatenate([p["X"] for p in parts])}
+
+    def check_outputs(self, outputs: dict[str, np.ndarray], batch_size: int) -> None:
+        pass

@@ -7,12 +7,13 @@ import threading
 import time
 
 import numpy as np
+from helpers import StandInEngine
 
 from aserve.workers.job import BatchJob
 from aserve.workers.thread_pool import ExecutorPool
 
 
-class _Engine:
+class _Engine(StandInEngine):
     """Doubles X; ``delay_s`` makes it slow. Records the thread each run was on."""
 
     inline_capable = True
@@ -20,15 +21,6 @@ class _Engine:
     def __init__(self, delay_s: float = 0.0) -> None:
         self.delay_s = delay_s
         self.threads: list[int] = []
-
-    def create_instance(self, index: int) -> int:
-        return index
-
-    def stack_inputs(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        return {"X": np.concatenate([p["X"] for p in parts])}
-
-    def check_outputs(self, outputs: dict[str, np.ndarray], batch_size: int) -> None:
-        pass
 
     def run(self, inputs: dict[str, np.ndarray], instance: int) -> dict[str, np.ndarray]:
         self.threads.append(threading.get_ident())

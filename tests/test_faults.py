@@ -13,6 +13,7 @@ import aiohttp
 import numpy as np
 import pytest
 from conftest import ServerProcess, spec, start_server, write_config
+from helpers import StandInEngine
 from reload_helpers import copy_handler, wait_log
 
 from aserve.codecs.validate import check_batch
@@ -103,7 +104,7 @@ def _expected(a: float) -> dict[str, Any]:
             "outputs": [{"name": "Y", "datatype": "FP32", "shape": [1, 2], "data": [2 * a, 2.0]}]}  # fmt: skip
 
 
-class _Engine:
+class _Engine(StandInEngine):
     """A stand-in engine: doubles X; dies with SystemExit on -999; its second
     and later instances wait for ``gate`` before they exist."""
 
@@ -118,12 +119,6 @@ class _Engine:
         if self.created > 1:
             self.gate.wait(10)
         return index
-
-    def stack_inputs(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        return {"X": np.concatenate([p["X"] for p in parts])}
-
-    def check_outputs(self, outputs: dict[str, np.ndarray], batch_size: int) -> None:
-        pass
 
     def run(self, inputs: dict[str, np.ndarray], instance: int) -> dict[str, np.ndarray]:
         if np.any(inputs["X"] == MAGIC):

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import StandInEngine
 
 from aserve.config import BatchingConfig
 from aserve.loop.batcher import Batcher
@@ -192,25 +193,14 @@ async def test_a_more_urgent_request_takes_the_staged_batch_back() -> None:
         batcher.close()
 
 
-class _GatedEngine:
-    """A stand-in engine: Y = 2 X; a batch holding X == 1 waits for ``release``, and
-    ``second`` is set when a batch holding X == 2 starts."""
-
-    inline_capable = False
+class _GatedEngine(StandInEngine):
+    """Y = 2 X; a batch holding X == 1 waits for ``release``, and ``second`` is set
+    when a batch holding X == 2 starts."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
         self.first = threading.Event()
         self.second = threading.Event()
-
-    def create_instance(self, index: int) -> int:
-        return index
-
-    def stack_inputs(self, parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        return {"X": np.concatenate([p["X"] for p in parts])}
-
-    def check_outputs(self, outputs: dict[str, np.ndarray], batch_size: int) -> None:
-        pass
 
     def run(self, inputs: dict[str, np.ndarray], instance: int) -> dict[str, np.ndarray]:
         x = inputs["X"]
