@@ -267,3 +267,15 @@ def decoder_server(
     srv = start_server(write_config(folder, config))
     yield srv
     srv.stop()
+
+
+def affine_and_spin(model_dir: Path) -> list[dict[str, Any]]:
+    """Two models for limit tests: ``affine`` (a quick one) and ``spin``, in a worker
+    process that ``helpers.frozen`` can hold, so a test keeps a batch running."""
+    return [
+        model_entry("affine", str(model_dir / "affine.pt"), [spec("INPUT0", "FP32", [16])],
+                    [spec("OUTPUT0", "FP32", [16])]),
+        model_entry("spin", str(model_dir / "spin.pt"), [spec("X", "FP32", [-1])],
+                    [spec("Y", "FP32", [1])], executor="process",
+                    batching={"max_batch_size": 4, "max_delay_ms": 0, "timeout_ms": 60000}),
+    ]  # fmt: skip

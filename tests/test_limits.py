@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import ServerProcess, model_entry, spec, start_server, write_config
+from conftest import ServerProcess, affine_and_spin, start_server, write_config
 from helpers import frozen, grpc_input, sync_stats, sync_wait_for_stats
 
 from aserve._proto import grpc_service_pb2 as pb
@@ -28,18 +28,8 @@ pytestmark = pytest.mark.timeout(90)
 MAX_ELEMENTS = 70_000
 
 
-def _models(model_dir: Path) -> list[dict[str, Any]]:
-    return [
-        model_entry("affine", str(model_dir / "affine.pt"), [spec("INPUT0", "FP32", [16])],
-                    [spec("OUTPUT0", "FP32", [16])]),
-        model_entry("spin", str(model_dir / "spin.pt"), [spec("X", "FP32", [-1])],
-                    [spec("Y", "FP32", [1])], executor="process",  # helpers.frozen holds it
-                    batching={"max_batch_size": 4, "max_delay_ms": 0, "timeout_ms": 60000}),
-    ]  # fmt: skip
-
-
 def _server(model_dir: Path, folder: Path, limits: dict[str, int]) -> ServerProcess:
-    config = {"limits": limits, "grpc": {"port": 0}, "models": _models(model_dir)}
+    config = {"limits": limits, "grpc": {"port": 0}, "models": affine_and_spin(model_dir)}
     return start_server(write_config(folder, config))
 
 
@@ -230,7 +220,7 @@ def test_max_connections_grpc_calls(few_connections: ServerProcess) -> None:
 def test_limits_config(key: str) -> None:
     from aserve.config import ConfigError, parse_config
 
-    model = _models(Path("."))[0]
+    model = affine_and_spin(Path("."))[0]
     assert getattr(parse_config({"models": [model]}).limits, key) is None  # off by default
     assert getattr(parse_config({"limits": {key: 5}, "models": [model]}).limits, key) == 5
     with pytest.raises(ConfigError, match=rf"limits\.{key}: must be >= 1"):

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import ServerProcess, model_entry, spec, start_server, write_config
+from conftest import ServerProcess, affine_and_spin, start_server, write_config
 from helpers import frozen, sync_wait_for_stats
 from stall_watch import watch_loop
 
@@ -141,13 +141,7 @@ async def test_a_closed_connection_is_forgotten() -> None:
 def one_at_a_time(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    models = [
-        model_entry("affine", str(model_dir / "affine.pt"), [spec("INPUT0", "FP32", [16])],
-                    [spec("OUTPUT0", "FP32", [16])]),
-        model_entry("spin", str(model_dir / "spin.pt"), [spec("X", "FP32", [-1])],
-                    [spec("Y", "FP32", [1])], executor="process",  # helpers.frozen holds it
-                    batching={"max_batch_size": 4, "max_delay_ms": 0, "timeout_ms": 60000}),
-    ]  # fmt: skip
+    models = affine_and_spin(model_dir)
     config = {"limits": {"max_concurrency": 1}, "models": models}
     srv = start_server(write_config(tmp_path_factory.mktemp("pacing"), config))
     yield srv
