@@ -35,7 +35,7 @@ import torch
 from bench import grpc_floor, grpc_loadgen, loadgen
 from bench.models import MODELS, default_cache_dir, expected_output, model_file, sample_input
 from bench.proctree import system_busy_seconds, tree_cpu_seconds
-from bench.report import cpu_model
+from bench.report import row_facts
 from bench.run import wait_for_quiet
 from bench.servers import MODEL_ENV, ServerProcess, aserve_config, start_aserve
 
@@ -253,17 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             floor.append(grpc_floor.measure(kind, c, args.duration, args.warmup))
             print(f"  floor {floor[-1]}", file=sys.stderr, flush=True)
     results = {
-        "facts": {
-            "command": " ".join(["python -m bench.grpc_row", *(argv or sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpu": cpu_model(),
-            "cores": len(os.sched_getaffinity(0)),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "grpcio": grpc.__version__,
-            "loadavg_before": loadavg_before,
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
+        "facts": {**row_facts("bench.grpc_row", argv, loadavg_before), "grpcio": grpc.__version__},
         "model": model.description,
         "duration_s": args.duration,
         "warmup_s": args.warmup,

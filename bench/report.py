@@ -62,6 +62,23 @@ def machine_facts(command: str) -> dict[str, Any]:
     }
 
 
+def row_facts(prog: str, argv: list[str] | None, loadavg_before: list[float]) -> dict[str, Any]:
+    """The facts of one run of a row script (``python -m bench.PROG``): the command as
+    given, when, on what, and the load average before (given) and now."""
+    import torch
+
+    return {
+        "command": " ".join([f"python -m {prog}", *(sys.argv[1:] if argv is None else argv)]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "loadavg_before": loadavg_before,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def kept_notes(previous_md: str) -> str:
     """The hand-written notes block of a previous RESULTS.md, or an empty one."""
     start, end = previous_md.find(NOTES_BEGIN), previous_md.find(NOTES_END)

@@ -39,7 +39,7 @@ import torch
 from bench.loadgen import percentile
 from bench.models import default_cache_dir
 from bench.proctree import system_busy_seconds, tree_cpu_seconds
-from bench.report import cpu_model
+from bench.report import row_facts
 from bench.run import wait_for_quiet
 from bench.servers import MODEL_ENV, start_aserve
 
@@ -456,16 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     results = {
-        "facts": {
-            "command": " ".join(["python -m bench.streaming", *(argv or sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpu": cpu_model(),
-            "cores": len(os.sched_getaffinity(0)),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "loadavg_before": loadavg_before,
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
+        "facts": row_facts("bench.streaming", argv, loadavg_before),
         "model": _describe(path)
         if args.model_dir is not None
         else (

@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -36,7 +35,8 @@ from typing import Any
 import torch
 
 from bench.models import default_cache_dir
-from bench.report import cpu_model
+from bench.peers.run import scrub
+from bench.report import row_facts
 from bench.run import wait_for_quiet
 from bench.servers import MODEL_ENV, start_aserve
 from bench.streaming import (
@@ -213,16 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     around = (runs[r]["tokens_per_s"] + runs[r + 1]["tokens_per_s"]) / 2
                     out["ratio"] = out["tokens_per_s"] / around
     results = {
-        "facts": {
-            "command": " ".join(["python -m bench.streaming_ab", *(argv or sys.argv[1:])]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "cpu": cpu_model(),
-            "cores": len(os.sched_getaffinity(0)),
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "loadavg_before": loadavg_before,
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
+        "facts": row_facts("bench.streaming_ab", argv, loadavg_before),
         "model": _describe(path) if external else f"seeded GPT-2, vocabulary {_vocab(path)}",
         "labels": labels,
         "trees": {lb: str(t) for lb, t in trees.items()},
@@ -236,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": {lb: {c: _summary(pts) for c, pts in points[lb].items()} for lb in labels},
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    results = scrub(results, {})  # no folder of this machine in what is kept
     (args.out_dir / "results-streaming-ab.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out_dir / "RESULTS-streaming-ab.md").write_text(render(results))
     print(f"streaming_ab: wrote {args.out_dir / 'RESULTS-streaming-ab.md'}", file=sys.stderr)
