@@ -30,13 +30,25 @@ PACKAGE = str(Path(aserve.__file__).parent) + "/"
 MAX_UNARY_INFER_FILES = 14
 MAX_STREAMED_CHAT_FILES = 17
 
-# The server's own timers, which may fire while the request runs: not its path.
+# The server's own timers, which may fire while the request runs: not its path,
+# and neither is what they call (the config watcher parses the config file).
 BACKGROUND = {
     "loop/loop_lag.py",
     "obs/registration.py",
     "loop/reload.py",
     "frontends/http/dashboard_history.py",
 }
+_BACKGROUND_FILES = {PACKAGE + name for name in BACKGROUND}
+
+
+def _in_background(frame: FrameType | None) -> bool:
+    """Whether ``frame`` or a caller of it is one of the BACKGROUND timers' code."""
+    while frame is not None:
+        if frame.f_code.co_filename in _BACKGROUND_FILES:
+            return True
+        frame = frame.f_back
+    return False
+
 
 TINY_GPT2 = {
     "name": "tiny-gpt2", "engine": "decoder", "path": "builtin:tiny-gpt2", "cpu_threads": 1,
@@ -54,7 +66,7 @@ class Walk:
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         if self.recording and event == "call":
             name = frame.f_code.co_filename
-            if name.startswith(PACKAGE) and name[len(PACKAGE) :] not in BACKGROUND:
+            if name.startswith(PACKAGE) and not _in_background(frame):
                 self.files.add(name[len(PACKAGE) :])
 
     async def follow(self, request: Callable[[], Awaitable[None]]) -> set[str]:
