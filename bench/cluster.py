@@ -306,6 +306,16 @@ class SteadyLoad:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def settle(self, timeout_s: float = 10.0) -> None:
+        """Wait until every open connection has had an answer to the request it has
+        in flight now (or closed): what was sent before this moment is counted."""
+        waiting = [(c, c.answered) for c in self._conns if not c.closed]
+        deadline = time.monotonic() + timeout_s
+        while any(not c.closed and c.answered == n for c, n in waiting):
+            if time.monotonic() > deadline:
+                raise TimeoutError("requests in flight were not answered")
+            await asyncio.sleep(0.01)
+
     def mark(self) -> tuple[float, int, int, dict[int, int]]:
         w = self.window
         return time.monotonic(), len(w.latencies_ns), w.errors, dict(w.statuses)
@@ -433,6 +443,9 @@ async def kill(cluster: Cluster, load: SteadyLoad, steady_s: float) -> EventResu
     mark = load.mark()
     victim.signal(signal.SIGKILL)
     down_s = await _off_loop(cluster.haproxy.wait_status, victim.name, "DOWN")
+    # The requests sent before DOWN was seen may still be on their way back (on a
+    # slow machine, a 503 HAProxy sent just before): count them as before DOWN.
+    await load.settle()
     failed_until_down = load.window.errors - mark[2]
     refused = load.window.statuses.get(503, 0) - mark[3].get(503, 0)
     await _off_loop(victim.wait_exit)

@@ -206,6 +206,8 @@ class _Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._framer = ResponseFramer()
         self._sent = 0
+        self.answered = 0  # responses read on it (a caller can wait for the one in flight)
+        self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
@@ -226,6 +228,7 @@ class _Connection(asyncio.Protocol):
         if answer is None:
             return
         now = _perf_ns()
+        self.answered += 1
         status, body, extra = answer
         window = self._window
         if self._once is not None:
@@ -252,6 +255,7 @@ class _Connection(asyncio.Protocol):
             self._transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
         if self._once is not None and not self._once.done():
             self._once.set_exception(ProtocolError(f"connection closed early ({exc})"))
         if self._window.stopping:
