@@ -72,6 +72,7 @@ class _Running(BatchJob):
         # While staged (see the module docstring): its record with the pool, and
         # the shape and deadline bounds the pumps grow it under.
         self.staged: Staged | None = None
+        self.earliest = min(r.deadline for r in requests)  # kept up as it grows or shrinks
 
 
 class Batcher:
@@ -255,7 +256,7 @@ class Batcher:
         staged = self._staged
         if staged is not None:  # it runs before anything queued now
             ahead_items += staged.size
-            ahead_deadline = min(ahead_deadline, *(r.deadline for r in staged.requests))
+            ahead_deadline = min(ahead_deadline, staged.earliest)
         finish = predicted_finish(
             start, self._queued_items + ahead_items, items, self._pool.live,
             first_free, self.limits, high, deadline, ahead_deadline,
@@ -306,6 +307,8 @@ class Batcher:
             at = running.requests.index(req)
             del running.requests[at], running.parts[at]
             running.size -= req.batch_size
+            if running.requests:
+                running.earliest = min(r.deadline for r in running.requests)
             self._stats.cancelled += 1
             if not running.requests:  # nothing left to run
                 running.staged.retract()
@@ -339,12 +342,9 @@ class Batcher:
             self._restage(now)
         wake_at: float | None = None
         while self._queued_requests and self._free > 0:
-            fifo = self._fifo
-            while not fifo[0].queued:
-                fifo.popleft()
             if self._shed_hopeless(now):
                 continue  # the queue changed: look at it again
-            view = QueueView(self._queued_items, fifo[0].arrival, self._heap[0].deadline)
+            view = QueueView(self._queued_items, self._oldest_arrival(), self._heap[0].deadline)
             decision = plan(now, view, self._free, self.limits, self.latency.estimate,
                             self._rate.per_second(now))  # fmt: skip
             if decision.take == 0:
@@ -365,18 +365,26 @@ class Batcher:
             self._quiet_since = now
         self._arm_timer(wake_at)
 
+    def _oldest_arrival(self) -> float:
+        """When the oldest queued request arrived (the queue is not empty)."""
+        fifo = self._fifo
+        while not fifo[0].queued:
+            fifo.popleft()
+        return fifo[0].arrival
+
+    def _first_free_at(self, now: float) -> float:
+        """When the first busy instance is expected to be free (``now`` if overdue)."""
+        return max(now, min((r.expected_end for r in self._running), default=now))
+
     def _stage(self, now: float) -> None:
         """Every instance is busy: stage the batch the policy would cut the moment
         the first one frees up (its expected end), if it would cut one then."""
         assert self._stager is not None
-        fifo = self._fifo
-        while not fifo[0].queued:
-            fifo.popleft()
         heap = self._heap
         while not heap[0].queued:
             heapq.heappop(heap)
-        start = max(now, min((r.expected_end for r in self._running), default=now))
-        view = QueueView(self._queued_items, fifo[0].arrival, heap[0].deadline)
+        start = self._first_free_at(now)
+        view = QueueView(self._queued_items, self._oldest_arrival(), heap[0].deadline)
         decision = plan(start, view, 1, self.limits, self.latency.estimate,
                         self._rate.per_second(now))  # fmt: skip
         if decision.take == 0:
@@ -384,8 +392,7 @@ class Batcher:
         picked = self._form(decision.take, now)
         size = sum(r.batch_size for r in picked)
         running = _Running(picked, size, now, start + self.latency.estimate(size), self._on_done)
-        earliest = min(r.deadline for r in picked)
-        running.timer = self._loop.call_later(earliest - now, self._expire_running, running)
+        running.timer = self._loop.call_later(running.earliest - now, self._expire_running, running)
         self._staged = running
         running.staged = self._stager.stage(running)
 
@@ -410,13 +417,10 @@ class Batcher:
                 return
             key = running.requests[0].shape_key
             latest = max(r.deadline for r in running.requests)
-            earliest = min(r.deadline for r in running.requests)
-            start = max(now, min((r.expected_end for r in self._running), default=now))
+            earliest = running.earliest
+            start = self._first_free_at(now)
             # What the policy would cut from the staged requests and the queue together.
-            fifo = self._fifo
-            while not fifo[0].queued:
-                fifo.popleft()
-            oldest = min(fifo[0].arrival, *(r.arrival for r in running.requests))
+            oldest = min(self._oldest_arrival(), *(r.arrival for r in running.requests))
             view = QueueView(running.size + self._queued_items, oldest,
                              min(earliest, heap[0].deadline))  # fmt: skip
             take = plan(start, view, 1, self.limits, self.latency.estimate,
@@ -453,6 +457,7 @@ class Batcher:
                 self._requeue(running.requests)
                 return
         running.expected_end = start + self.latency.estimate(running.size)
+        running.earliest = grown
         if grown < earliest:  # its deadline guard goes off at the earliest deadline in it
             if running.timer is not None:
                 running.timer.cancel()
@@ -559,8 +564,7 @@ class Batcher:
     def _dispatch(self, picked: list[InferenceRequest], now: float) -> None:
         size = self._note_queue_wait(picked, now)
         running = _Running(picked, size, now, now + self.latency.estimate(size), self._on_done)
-        earliest = min(r.deadline for r in picked)
-        running.timer = self._loop.call_later(earliest - now, self._expire_running, running)
+        running.timer = self._loop.call_later(running.earliest - now, self._expire_running, running)
         self._running.add(running)
         self._pool.submit(running)
 
