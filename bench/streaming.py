@@ -370,6 +370,17 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def prepare(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[float]:
+    """Check the stream counts and set up this process as every streaming bench
+    runs (model env, one torch thread); returns the load average before the run."""
+    if max(args.concurrency) > MAX_NUM_SEQS:
+        p.error(f"--concurrency is at most max_num_seqs ({MAX_NUM_SEQS})")
+    os.environ.update(MODEL_ENV)
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.streaming", description=__doc__.split("\n")[0]
@@ -389,12 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         "from scripts/convert-smollm2)",
     )
     args = p.parse_args(argv)
-    if max(args.concurrency) > MAX_NUM_SEQS:
-        p.error(f"--concurrency is at most max_num_seqs ({MAX_NUM_SEQS})")
-    os.environ.update(MODEL_ENV)
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
-    loadavg_before = [round(x, 2) for x in os.getloadavg()]
+    loadavg_before = prepare(p, args)
     cache = args.cache_dir or default_cache_dir()
     shape = "-".join(f"{k}{v}" for k, v in GPT2_SHAPE.items())
     if args.model_dir is not None:

@@ -32,16 +32,13 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from bench.models import default_cache_dir
 from bench.peers.run import scrub
 from bench.report import row_facts
 from bench.run import wait_for_quiet
-from bench.servers import MODEL_ENV, start_aserve
+from bench.servers import start_aserve
 from bench.streaming import (
     GPT2_SHAPE,
-    MAX_NUM_SEQS,
     MODEL_NAME,
     REPO,
     TARGET,
@@ -50,6 +47,7 @@ from bench.streaming import (
     build_lm,
     ceiling,
     generation_config,
+    prepare,
     stream_load,
 )
 
@@ -149,12 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             help=f'JSON fields added to the {lb} server\'s "generation" block',
         )
     args = p.parse_args(argv)
-    if max(args.concurrency) > MAX_NUM_SEQS:
-        p.error(f"--concurrency is at most max_num_seqs ({MAX_NUM_SEQS})")
-    os.environ.update(MODEL_ENV)
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
-    loadavg_before = [round(x, 2) for x in os.getloadavg()]
+    loadavg_before = prepare(p, args)
     cache = args.cache_dir or default_cache_dir()
     external = args.model_dir is not None
     if external:
