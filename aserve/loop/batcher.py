@@ -46,7 +46,7 @@ from aserve.loop.request import InferenceRequest
 from aserve.obs.stats import ModelStats
 from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
 from aserve.sched.policy import BatchLimits, QueueView, deadline_cap, plan, predicted_finish
-from aserve.workers.job import BatchJob, Executor, Staged, Staging
+from aserve.workers.job import BatchJob, Executor, Inline, Staged, Staging
 
 log = logging.getLogger("aserve.batcher")
 
@@ -112,10 +112,13 @@ class Batcher:
         self._queued_items = 0
         self._running: set[_Running] = set()
         self._stager = pool if isinstance(pool, Staging) else None
+        self._inline = pool if isinstance(pool, Inline) else None
         self._staged: _Running | None = None  # a batch staged and not known to be running
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._pump_soon = False
+        self._arrived = 0  # requests submitted since the last pump
+        self._alone = True  # the last pump after arrivals found only one
         self._closed = False
         pool.on_live = self._on_live
 
@@ -156,15 +159,58 @@ class Batcher:
         """Queue ``req`` or raise at once (QueueFull / Unavailable / DeadlineExceeded)."""
         req.predicted = self.check_admission(req.arrival, req.deadline, req.batch_size) or 0.0
         now = req.arrival
+        self._rate.observe(now)
+        self._arrived += 1
+        if self._inline is not None and self._runs_now(req, now):
+            self._run_inline(req)
+            return
         req.queued = True
         heapq.heappush(self._heap, req)
         self._fifo.append(req)
         self._queued_requests += 1
         self._queued_items += req.batch_size
-        self._rate.observe(now)
         if not self._pump_soon:
             self._pump_soon = True
             self._loop.call_soon(self._pump)
+
+    def _runs_now(self, req: InferenceRequest, now: float) -> bool:
+        """Whether ``req`` finds the model idle, the policy would run it alone at
+        once, and the pool runs a batch of its size inline: the idle fast path."""
+        assert self._inline is not None
+        if (
+            not self._alone
+            or self._pump_soon
+            or self._queued_requests
+            or self._running
+            or self._staged is not None
+            or self._free <= 0
+        ):
+            return False
+        n = req.batch_size
+        if not self._inline.runs_inline(n):
+            return False
+        view = QueueView(n, now, req.deadline)
+        rate = self._rate.per_second(now)
+        return plan(now, view, self._free, self.limits, self.latency.estimate, rate).take == n
+
+    def _run_inline(self, req: InferenceRequest) -> None:
+        """Run ``req`` as a batch of its own here, inline, and answer it before
+        ``submit`` returns: its handler goes on without waiting for a turn of the
+        loop (a pump, the batch's answer, the task's wake-up), as the plain
+        handler does. The same records as a dispatched batch; no deadline timer,
+        since nothing else runs on the loop meanwhile."""
+        assert self._inline is not None
+        start = self._clock()
+        size = self._note_queue_wait([req], start)
+        running = _Running([req], size, start, start + self.latency.estimate(size), self._on_done)
+        self._running.add(running)
+        self._inline.run_inline(running)
+        self._answer(running)
+        # The pump that follows any arrival: requests parsed after this one in the
+        # same pass of the loop queue for it and batch together, as they would
+        # have without the fast path, and it sees whether they came alone.
+        self._pump_soon = True
+        self._loop.call_soon(self._pump)
 
     def reserve(self, now: float, deadline: float, items: int, ready_at: float) -> float | None:
         """Admit now a request of ``items`` that joins the queue only at ``ready_at``
@@ -336,6 +382,12 @@ class Batcher:
 
     def _pump(self) -> None:
         self._pump_soon = False
+        # Requests come alone while a pump after arrivals finds only one: then one
+        # that finds the model idle may take the fast path (_runs_now). Several
+        # parsed in one pass of the loop batch together instead.
+        if self._arrived:
+            self._alone = self._arrived == 1
+            self._arrived = 0
         now = self._clock()
         self._expire_queued(now)
         if self._staged is not None:
@@ -584,7 +636,12 @@ class Batcher:
 
     def _on_done(self, job: _Running) -> None:
         """A batch came back from its executor (called on the loop)."""
-        running = job
+        self._answer(job)
+        self._pump()
+
+    def _answer(self, running: _Running) -> None:
+        """Answer the requests of a batch its executor has run, and learn from it."""
+        job = running  # the record of a running batch is its job
         now = self._clock()
         if running is self._staged:  # it ran and ended before a pump saw it taken
             assert running.staged is not None
@@ -624,7 +681,6 @@ class Batcher:
                 self.margin.served(now, served, worst or None)
         stats.record_batch(running.size, len(requests), job.input_ns, job.infer_ns,
                            time.perf_counter_ns() - t0)  # fmt: skip
-        self._pump()
 
     def _expire_running(self, running: _Running) -> None:
         """Deadline guard for a batch still in its executor: answer the expired now."""

@@ -78,6 +78,22 @@ class Staging(Protocol):
     def stage(self, job: BatchJob) -> Staged: ...
 
 
+@runtime_checkable
+class Inline(Protocol):
+    """An executor that may run a tiny batch right here, on the loop, synchronously.
+
+    For the idle server's fast path: a request that finds the model idle, of
+    a batch size the executor has measured as tiny, runs while its handler
+    waits, and the handler goes on without a turn of the loop in between (the
+    plain handler's cost). ``run_inline`` fills in the job's outcome and
+    timings and returns; it never calls ``on_done`` (the batcher answers).
+    """
+
+    def runs_inline(self, size: int) -> bool: ...
+
+    def run_inline(self, job: BatchJob) -> None: ...
+
+
 class Staged:
     """A staged batch job, between the loop and the instance that takes it.
 

@@ -120,6 +120,17 @@ class ExecutorPool:
             return
         self._jobs.put(job)
 
+    def runs_inline(self, size: int) -> bool:
+        """Whether a batch of ``size`` is measured tiny enough to run on the loop."""
+        return self._inline_instance is not None and self._inline.get(size.bit_length(), False)
+
+    def run_inline(self, job: BatchJob) -> None:
+        """Run ``job`` here and now, on the loop (``runs_inline`` said yes), and learn
+        its cost; the caller answers it (``on_done`` is not called)."""
+        _run(self.engine, job, self._inline_instance)
+        self.inline_batches += 1
+        self._learn(job)
+
     def can_stage(self) -> bool:
         """Whether a batch should wait staged for a thread: not while some batch
         sizes run inline (a model that fast waits for no loop turn worth saving)."""
@@ -143,6 +154,11 @@ class ExecutorPool:
 
     def _finished(self, job: BatchJob) -> None:
         """Every batch comes back here (on the loop): learn its cost, then answer it."""
+        self._learn(job)
+        job.on_done(job)
+
+    def _learn(self, job: BatchJob) -> None:
+        """Note the stack+run time of a finished batch: whether its size class runs inline."""
         if job.error is None and self._inline_instance is not None:
             key = job.size.bit_length()
             costs = self._costs.get(key)
@@ -155,7 +171,6 @@ class ExecutorPool:
                 # for the GIL between torch calls while the loop was busy (most
                 # of them, at load), which is time the loop would not spend.
                 self._inline[key] = sorted(costs)[1] < INLINE_MAX_NS
-        job.on_done(job)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Let the threads finish their current batch and exit."""
