@@ -13,6 +13,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+# Idle time is applied to the estimates in steps of this many half-lives (a 1 %
+# fade), see LatencyModel.relax.
+_RELAX_STEP = 0.015
+
 
 class LatencyModel:
     """Estimated seconds to run a batch of each size (1..max_batch_size).
@@ -49,8 +53,8 @@ class LatencyModel:
     slow first time.
     """
 
-    __slots__ = ("_alpha", "_floor", "_half_life", "_max", "_max_stretch", "_measured",
-                 "_ratios", "_sizes", "stretch")  # fmt: skip
+    __slots__ = ("_alpha", "_floor", "_half_life", "_idle", "_max", "_max_stretch",
+                 "_measured", "_ratios", "_sizes", "stretch")  # fmt: skip
 
     def __init__(
         self,
@@ -63,6 +67,7 @@ class LatencyModel:
         self._max = max_batch_size
         self._alpha = alpha
         self._half_life = idle_half_life
+        self._idle = 0.0  # idle seconds not applied yet (see relax)
         self._max_stretch = max_stretch
         self._floor: dict[int, float] = {}  # the lowest estimate each size has had
         self._measured: dict[int, float] = {}
@@ -104,6 +109,16 @@ class LatencyModel:
         """The model was idle for ``idle_seconds``: let what load taught fade by as much."""
         if idle_seconds <= 0.0 or not self._measured:
             return
+        # A light load idles between every two requests, a fraction of a
+        # millisecond each time: the gaps are summed and applied once they fade
+        # the estimates by a percent (the fading composes: 0.5**a * 0.5**b is
+        # 0.5**(a+b)), not each time, which cost every request a pass over the
+        # sizes and the recent ratios.
+        idle_seconds += self._idle
+        if idle_seconds < _RELAX_STEP * self._half_life:
+            self._idle = idle_seconds
+            return
+        self._idle = 0.0
         keep = 0.5 ** (idle_seconds / self._half_life)
         # Toward the lowest each size has been, or that any larger size has been: a
         # size first measured in a storm has only slow times of its own, but a batch

@@ -227,12 +227,16 @@ class HttpFrontend:
         route("GET", "/v2", self._server_metadata)
         route("GET", "/v2/", self._server_metadata)
         route("GET", "/v2/models/stats", self._stats)
+        # Every route under /v2/models/{model} is tried in the order added: infer,
+        # the one that carries the load, first.
+        infer = self.counted("http", self._infer, error_response)
+        for base in (model, version):
+            route("POST", base + "/infer", infer)
         for base in (model, version):
             route("GET", base, self._model_metadata)
             route("GET", base + "/config", self._model_config)
             route("GET", base + "/ready", self._model_ready)
             route("GET", base + "/stats", self._stats)
-            route("POST", base + "/infer", self.counted("http", self._infer, error_response))
         kit = RouteKit(route, self.counted, read_body, read_json_object, self._app)
         add_generate_routes(kit, ctx)  # Triton's generate extension
         add_openai_routes(kit, ctx)
@@ -449,8 +453,13 @@ async def read_body(request: web.Request) -> bytes:
     """
     timeout_s = request.app[BODY_TIMEOUT_KEY]
     try:
-        async with asyncio.timeout(timeout_s):
+        if request.content.is_eof():
+            # All of it has arrived (a small body comes with its headers): reading
+            # cannot wait, and a timer per request is not free.
             raw = await request.read()
+        else:
+            async with asyncio.timeout(timeout_s):
+                raw = await request.read()
     except TimeoutError:
         request[CLOSE_AFTER_KEY] = True  # the rest of the body may still be coming
         raise RequestTimeout(
