@@ -43,7 +43,8 @@ class Executor(Protocol[J]):
     ``submit`` is called on the loop, never blocks and never calls
     ``on_done`` from inside itself (a batcher must not be re-entered). It
     usually hands the job off the loop; the thread pool alone may run a
-    measured-tiny batch inline, on the loop, before answering it later.
+    measured-tiny batch inline, on the loop, before answering it later
+    (and, as :class:`Inline`, run one for the batcher to answer at once).
     """
 
     on_live: Callable[[], Any] | None

@@ -24,7 +24,10 @@ last few stack+run times of each batch-size class, and runs a batch of a
 class whose second-smallest time is under :data:`INLINE_MAX_NS` (DESIGN:
 nothing over ~100 µs on the loop) right there, answering it through
 ``call_soon``. A model that turns slower goes back to the threads by the
-same measure.
+same measure. A request that finds the model idle goes further: the batcher
+runs it through :meth:`ExecutorPool.run_inline` inside its ``submit`` and
+answers it before that returns (the idle fast path, see
+:class:`aserve.workers.job.Inline`).
 """
 
 from __future__ import annotations
