@@ -21,6 +21,7 @@ import logging
 import signal
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,24 @@ def make_app(module: Any, name: str, output_name: str = "OUTPUT0") -> web.Applic
     return app
 
 
+def make_floor_app(answer: bytes) -> web.Application:
+    """An aiohttp app that reads each request's body and sends ``answer``, with no
+    parsing and no model: what one aiohttp loop answers at most on this
+    machine, the floor under any server built on it."""
+
+    async def infer(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=answer, content_type="application/json")
+
+    async def ready(request: web.Request) -> web.Response:
+        return web.Response(body=b'{"ready":true}', content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v2/models/{model}/infer", infer)
+    app.router.add_get("/v2/health/ready", ready)
+    return app
+
+
 async def serve(app: web.Application, host: str, port: int) -> None:
     runner = web.AppRunner(app, access_log=None)  # per-request logging costs more than the model
     await runner.setup()
@@ -99,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", required=True, help="model name in the URL")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--floor", metavar="BODY", help="answer the model's answer to this request "
+                   "body (a V2 JSON file) to every request, without parsing or running anything")  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -106,7 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     module = load_model(args.model)
     import uvloop
 
-    uvloop.run(serve(make_app(module, args.name), args.host, args.port))
+    if args.floor:
+        doc = orjson.loads(Path(args.floor).read_bytes())["inputs"][0]
+        x = np.asarray(doc["data"], dtype=np.float32).reshape(doc["shape"])
+        with torch.inference_mode():
+            y = module(torch.from_numpy(x)).numpy()
+        answer = orjson.dumps({"model_name": args.name, "model_version": "1", "outputs": [
+            {"name": "OUTPUT0", "datatype": "FP32", "shape": list(y.shape), "data": y.ravel()}
+        ]}, option=orjson.OPT_SERIALIZE_NUMPY)  # fmt: skip
+        app = make_floor_app(answer)
+    else:
+        app = make_app(module, args.name)
+    uvloop.run(serve(app, args.host, args.port))
     return 0
 
 

@@ -7,7 +7,9 @@ compare with). Each round measures, at each concurrency, one point on each of
 the three servers in turn (y = x + 1 on 16 floats, configured as ``bench.run``
 does: one instance, cpu_threads 1, max batch 32, preferred 8/16/32), each
 started fresh from its own tree, so that a drift of the machine's speed hits
-all three. Prints one line per point (req/s, p50, p99, each as a ratio to the
+all of them. ``--floor`` adds an aiohttp handler that answers a constant,
+without parsing or a model: what any server on one aiohttp loop can reach
+at most here. Prints one line per point (req/s, p50, p99, each as a ratio to the
 plain handler's point of the same round) and the medians with their spread:
 what issue 17's first target compares (c=1 p50 within 1.1x the plain
 handler's, c=16 req/s at least the plain handler's).
@@ -42,6 +44,10 @@ def _point(name: str, tree: Path, config: Path, model: Path, body: Path, c: int,
            args: argparse.Namespace) -> dict[str, float]:  # fmt: skip
     if name == "plain":
         server = start_plain(model, "tiny", REPO)
+    elif name == "floor":
+        argv = [sys.executable, "-m", "bench.baseline_aiohttp", "--model", str(model),
+                "--name", "tiny", "--port", "0", "--floor", str(body)]  # fmt: skip
+        server = ServerProcess("aiohttp floor", argv, REPO)
     else:
         argv = [sys.executable, "-m", "aserve", "--config", str(config), "--port", "0"]
         server = ServerProcess(f"aserve ({name})", argv, tree)
@@ -57,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--floor", action="store_true", help="also the aiohttp floor: an aiohttp "
+                   "handler that answers a constant (python -m bench.baseline_aiohttp --floor)")  # fmt: skip
     args = p.parse_args(argv)
     os.environ.update(MODEL_ENV)
     bench_model = MODELS["tiny"]
@@ -66,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     body = path.parent / "tiny-ab-body.json"
     body.write_bytes(v2_body(sample_input(bench_model)))
     trees = {"plain": REPO, "baseline": args.baseline.resolve(), "this": REPO}
+    if args.floor:
+        trees["floor"] = REPO
     levels = [int(c) for c in args.concurrency.split(",")]
     ratios: dict[tuple[str, int], dict[str, list[float]]] = {}
     for round_ in range(args.rounds):
@@ -86,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     for (name, c), got in ratios.items():
         if name == "plain":
             continue
-        parts = [f"{k} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in got.items()]
+        parts = [
+            f"{k} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})" for k, v in got.items()
+        ]
         print(f"c={c} {name}: " + ", ".join(parts))
     return 0
 
