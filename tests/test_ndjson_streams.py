@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import lm_models
 import orjson
 import pytest
-from conftest import ServerProcess
-from gen_helpers import gen_stats, idle, wait_gen
+from conftest import ServerProcess, start_server, write_config
+from gen_helpers import GENERATION, gen_stats, idle, wait_gen
+from helpers import frozen
+from stall_watch import watch_loop
 
 from aserve.frontends.http.stream import wants_ndjson
 
@@ -214,3 +218,52 @@ def test_http_client_reads_the_stream_line_by_line(decoder_server: ServerProcess
 )
 def test_accept_chooses_the_framing(accept: str | None, ndjson: bool) -> None:
     assert wants_ndjson(accept) is ndjson
+
+
+# --- limits.max_concurrency: a stream holds its slot while it streams ------------------
+
+
+@pytest.fixture(scope="module")
+def one_stream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The tiny gpt2 alone, with room for one inference request at a time."""
+    gpt2 = lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
+    folder = tmp_path_factory.mktemp("ndjson-limits")
+    model = {"name": "gpt2", "engine": "decoder", "path": str(gpt2), "generation": GENERATION}
+    srv = start_server(write_config(folder, {"limits": {"max_concurrency": 1}, "models": [model]}))
+    yield srv
+    srv.stop()
+
+
+async def test_an_ndjson_stream_counts_under_max_concurrency(one_stream: ServerProcess) -> None:
+    """While one NDJSON stream is open (its step process held stopped, so it cannot end
+    early), the next stream on either route is refused at once: 429 and plain JSON."""
+    base = one_stream.base
+    (step_process,) = one_stream.spawned_children()
+    held = {"text_input": "Hello", "parameters": {"max_tokens": 100, "ignore_eos": True}}
+    chat = {"model": "gpt2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "stream": True}  # fmt: skip
+    limit = "server is serving 1 requests, its limit limits.max_concurrency is 1; retry later"
+    async with watch_loop(base), aiohttp.ClientSession() as session:
+        r = await session.post(
+            base + "/v2/models/gpt2/generate_stream", json=held, headers={"Accept": NDJSON}
+        )
+        assert r.status == 200 and r.content_type == NDJSON
+        orjson.loads(await r.content.readline())  # streaming: it holds the slot
+        with frozen(step_process.pid):
+            refused = [("/v2/models/gpt2/generate_stream", held), ("/v1/chat/completions", chat)]
+            for path, doc in refused:
+                status, head, [body] = await _chunked_lines(one_stream.port, path, doc)
+                assert (status, head["content-type"]) == (429, "application/json"), body
+                assert head["retry-after"] == "1"
+                error = orjson.loads(body)["error"]
+                assert (error if isinstance(error, str) else error["message"]) == limit
+        r.close()  # the held stream goes: its slot is free once the server has seen it
+        await wait_gen(session, base, "gpt2", idle)
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        status, head, lines = await _chunked_lines(one_stream.port, "/v1/chat/completions", chat)
+        if status == 200 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert (status, head["content-type"]) == (200, NDJSON)
+    assert orjson.loads(lines[-1])["choices"][0]["finish_reason"] == "length"
