@@ -14,6 +14,8 @@ import json
 import multiprocessing
 import os
 import re
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -243,11 +245,22 @@ def _readme_ndjson_curl() -> tuple[str, bytes]:
     return m.group(1), m.group(2).encode()
 
 
+def _readme_openai_example() -> str:
+    """The OpenAI-compatible API section's Python example, as the README writes it."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### OpenAI-compatible API") :]
+    m = re.search(r"```python\n(.*?)```", section, re.S)
+    assert m and 'base_url="http://localhost:8000/v1"' in m.group(1), "the example is gone"
+    return m.group(1)
+
+
 def test_the_quick_start_chat_step_works_as_written(tmp_path: Path) -> None:
-    """The quick start's chat step, and the NDJSON example of the generation section on
-    the server the quick start started (a fresh machine has no other decoder model)."""
+    """The quick start's chat step, and the generation section's NDJSON and openai
+    examples, on the server the quick start started (a fresh machine has no other
+    decoder model)."""
     serve, url, body = _readme_chat_curl()
     ndjson_url, ndjson_body = _readme_ndjson_curl()
+    openai_code = _readme_openai_example()
     config_path = ROOT / serve.split("--config ")[1]
     config = json.loads(config_path.read_text())
     assert config["models"][0]["path"] == "builtin:tiny-gpt2"
@@ -281,6 +294,10 @@ def test_the_quick_start_chat_step_works_as_written(tmp_path: Path) -> None:
                 lines = [json.loads(line) for line in r.read().splitlines()]
         except urllib.error.HTTPError as exc:
             raise AssertionError(f"{ndjson_url}: {exc.code} {exc.read()!r}") from None
+        code = openai_code.replace("http://localhost:8000", srv.base)
+        sdk = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+        assert sdk.returncode == 0, sdk.stderr
     finally:
         srv.stop()
     assert events[-1] == "[DONE]"
@@ -291,3 +308,6 @@ def test_the_quick_start_chat_step_works_as_written(tmp_path: Path) -> None:
     assert all(line["model_name"] == "tiny-gpt2" for line in lines)
     assert lines[-1]["finish_reason"] in ("stop", "length")
     assert lines[-1]["usage"]["completion_tokens"] <= json.loads(ndjson_body)["max_tokens"]
+    printed = sdk.stdout.splitlines()
+    assert all(line.startswith("ChatCompletionChunk(") for line in printed), printed[:3]
+    assert "usage=CompletionUsage(" in printed[-1]  # stream_options.include_usage
