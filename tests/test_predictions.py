@@ -364,14 +364,21 @@ async def test_the_readme_digest_example_works_as_written(
         (tmp_path / name).write_bytes(data)
     monkeypatch.chdir(tmp_path)  # the server imports the handler from the folder it runs in
     srv = start_server(None, argv=[*serve[1:], "--port", "0", "--no-grpc"])
+    *asks, (*scrape, bar, grep, pattern) = curls
+    assert (bar, grep) == ("|", "grep"), scrape
     answers = []
     try:
         async with aiohttp.ClientSession() as session:
-            for words in curls:
+            for words in asks:
                 url, data, headers = _as_curl_sends(words, srv.port, tmp_path)
                 status, _, body = await _post(session, url, data, headers)
                 assert status == 200, (words, body)
                 answers.append(orjson.loads(body))
+            url, _, _ = _as_curl_sends(scrape, srv.port, tmp_path)
+            async with session.get(url) as r:
+                metrics = [
+                    line for line in (await r.text()).splitlines() if re.match(pattern, line)
+                ]
     finally:
         srv.stop()
     raw, parts, v2 = answers
@@ -380,3 +387,8 @@ async def test_the_readme_digest_example_works_as_written(
     both = b"".join(images.values())
     assert parts == {"length": len(both), "sha256": hashlib.sha256(both).hexdigest()}
     assert v2["outputs"][0]["name"] == "LENGTH" and v2["outputs"][0]["data"] == [5]
+    seen = {"raw": len(cat) + len(both), "v2": 5}
+    assert sorted(metrics) == sorted(
+        f'{pattern[1:]}{{model="digest",route="{route}",version="1"}} {n:.1f}'
+        for route, n in seen.items()
+    )
