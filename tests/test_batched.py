@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -164,6 +165,27 @@ def test_flask_app_from_the_readme_batches_64_threads_with_per_request_answers()
     assert answers == [{"text": t, "length": len(t)} for t in texts]
     assert gate.sizes[3:] == expected_sizes(gate), gate.sizes
     assert max(gate.sizes) == 32 and stats["inference_count"] == 3 + CLIENTS
+
+
+def test_the_readme_commands_run_the_flask_app_and_ask_it():
+    """The commands under the example: it is saved as app.py and run, and curl asks it."""
+    text = README.read_text()
+    section = text[text.index("## Use it as a library") :]
+    block = re.search(r"```python\n.*?```.*?```bash\n(.*?)```", section, re.S)
+    assert block, "the README's commands for the Flask example are gone"
+    install, run, curl = [shlex.split(line) for line in block.group(1).splitlines()]
+    assert install == [".venv/bin/pip", "install", "flask"], install
+    assert run == [".venv/bin/python", "app.py"] and "`app.py`" in section, run
+    assert curl[:2] == ["curl", "-s"] and curl[2] == "localhost:5000/predict", curl
+    headers = dict(curl[i + 1].split(": ", 1) for i, w in enumerate(curl) if w == "-H")
+    body = curl[curl.index("-d") + 1]
+    example = load_example("gate")
+    with example.batched, wsgi_server(example.app) as base:  # app.run()'s port is 5000
+        req = urllib.request.Request(f"{base}/predict", body.encode(), headers)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            answer = json.loads(r.read())
+    text_in = json.loads(body)["text"]
+    assert answer == {"text": text_in, "length": len(text_in)}
 
 
 # --- FastAPI, awaiting --------------------------------------------------------------

@@ -14,7 +14,10 @@ import json
 import multiprocessing
 import os
 import re
+import subprocess
+import sys
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -234,8 +237,30 @@ def _readme_chat_curl() -> tuple[str, str, bytes]:
     return m.group(1), m.group(2), m.group(3).encode()
 
 
+def _readme_ndjson_curl() -> tuple[str, bytes]:
+    """The generation section's NDJSON example: its URL and body, as the README writes them."""
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"curl -N -H 'Accept: application/x-ndjson' (\S+) \\\n\s*-d '([^']+)'", readme)
+    assert m, "the README's NDJSON generate_stream example is gone"
+    return m.group(1), m.group(2).encode()
+
+
+def _readme_openai_example() -> str:
+    """The OpenAI-compatible API section's Python example, as the README writes it."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### OpenAI-compatible API") :]
+    m = re.search(r"```python\n(.*?)```", section, re.S)
+    assert m and 'base_url="http://localhost:8000/v1"' in m.group(1), "the example is gone"
+    return m.group(1)
+
+
 def test_the_quick_start_chat_step_works_as_written(tmp_path: Path) -> None:
+    """The quick start's chat step, and the generation section's NDJSON and openai
+    examples, on the server the quick start started (a fresh machine has no other
+    decoder model)."""
     serve, url, body = _readme_chat_curl()
+    ndjson_url, ndjson_body = _readme_ndjson_curl()
+    openai_code = _readme_openai_example()
     config_path = ROOT / serve.split("--config ")[1]
     config = json.loads(config_path.read_text())
     assert config["models"][0]["path"] == "builtin:tiny-gpt2"
@@ -257,6 +282,22 @@ def test_the_quick_start_chat_step_works_as_written(tmp_path: Path) -> None:
             events = [
                 line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")
             ]
+        req = urllib.request.Request(
+            srv.base + ndjson_url.removeprefix("localhost:8000"),
+            data=ndjson_body,
+            headers={"Accept": "application/x-ndjson",
+                     "Content-Type": "application/x-www-form-urlencoded"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                assert r.headers["Content-Type"] == "application/x-ndjson"
+                lines = [json.loads(line) for line in r.read().splitlines()]
+        except urllib.error.HTTPError as exc:
+            raise AssertionError(f"{ndjson_url}: {exc.code} {exc.read()!r}") from None
+        code = openai_code.replace("http://localhost:8000", srv.base)
+        sdk = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+        assert sdk.returncode == 0, sdk.stderr
     finally:
         srv.stop()
     assert events[-1] == "[DONE]"
@@ -264,3 +305,9 @@ def test_the_quick_start_chat_step_works_as_written(tmp_path: Path) -> None:
     assert all(c["model"] == "tiny-gpt2" for c in chunks)
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks).strip()
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(line["model_name"] == "tiny-gpt2" for line in lines)
+    assert lines[-1]["finish_reason"] in ("stop", "length")
+    assert lines[-1]["usage"]["completion_tokens"] <= json.loads(ndjson_body)["max_tokens"]
+    printed = sdk.stdout.splitlines()
+    assert all(line.startswith("ChatCompletionChunk(") for line in printed), printed[:3]
+    assert "usage=CompletionUsage(" in printed[-1]  # stream_options.include_usage

@@ -286,6 +286,46 @@ def test_bad_command_lines_exit_2_naming_the_flag(
     assert "Traceback" not in err and out == ""
 
 
+def test_every_flag_lands_in_its_config_key(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """What GRPS users set on the command line, each flag in the key the README names."""
+    from aserve.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "keys.txt").write_text("k\n")
+    rc = main([
+        "serve", str(model_dir / "affine.pt"), "--input", "INPUT0:FP32:16",
+        "--output", "OUTPUT0:FP32:16", "--host", "0.0.0.0", "--port", "9000",
+        "--grpc-port", "9001", "--name", "lin", "--device", "cpu", "--instances", "2",
+        "--executor", "process", "--cpu-threads", "2", "--max-batch-size", "16",
+        "--max-delay-ms", "3", "--preferred-batch-sizes", "4,8", "--max-queue-size", "100",
+        "--timeout-ms", "2500", "--max-connections", "50", "--max-concurrency", "40",
+        "--gpu-mem-limit-mib", "1000", "--empty-cache-interval-s", "30",
+        "--api-key-file", "keys.txt", "--print-config",
+    ])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    printed = json.loads(out)
+    model = printed.pop("models")[0]
+    assert printed == {
+        "http": {"host": "0.0.0.0", "port": 9000},
+        "grpc": {"host": "0.0.0.0", "port": 9001},
+        "limits": {"max_connections": 50, "max_concurrency": 40},
+        "gpu": {"mem_limit_mib": 1000, "empty_cache_interval_s": 30.0},
+        "auth": {"api_keys_file": str(tmp_path / "keys.txt")},
+    }
+    assert model == {
+        "name": "lin", "engine": "torch", "path": str(model_dir / "affine.pt"),
+        "device": "cpu", "instances": 2, "executor": "process", "cpu_threads": 2,
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [16]}],
+        "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [16]}],
+        "batching": {"max_batch_size": 16, "max_delay_ms": 3.0, "preferred_batch_sizes": [4, 8],
+                     "max_queue_size": 100, "timeout_ms": 2500.0},
+    }  # fmt: skip
+
+
 def test_the_config_flag_and_no_arguments_still_work(model_dir: Path) -> None:
     done = aserve("serve", str(model_dir / "affine.pt"), "--input", "INPUT0:FP32:16")
     assert done.returncode == 2 and "--output: required with engine 'torch'" in done.stderr

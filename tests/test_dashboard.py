@@ -470,6 +470,20 @@ def test_page_shows_history_cdf_and_handler_metrics(
         requests = charts[f"{model}/1 custom aserve_handler_requests"]
         assert float(requests["total"]) >= 5, requests
     assert "aserve_handler_items" in custom_text and "total" in custom_text
+    # Gauges as their values (the process that ran the last infer), histograms as the
+    # p50/p99 of the observations in the window (every row sums to 3 or 7 here).
+    pids = {
+        "metered": metered_server.proc.pid,
+        "metered_proc": metered_server.worker_pid("metered_proc"),
+    }
+    for model, pid in pids.items():
+        gauge = charts[f"{model}/1 custom aserve_handler_infer_pid"]
+        assert float(gauge["last"]) == pid and int(gauge["samples"]) >= 1, gauge
+        assert gauge["line"].startswith("M"), gauge
+        sums = charts[f"{model}/1 custom aserve_handler_row_sums"]
+        assert int(sums["total"]) >= 10 and int(sums["samples"]) >= 1, sums
+        assert sums["line"].startswith("M"), sums
+    assert "aserve_handler_row_sums" in custom_text and "p99" in custom_text
     status, _, body = get(base + "/metrics")
     assert status == 200 and b'aserve_handler_items_total{model="metered_proc"' in body
 

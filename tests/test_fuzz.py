@@ -683,7 +683,7 @@ def too_large(draw: st.DrawFn) -> Req:
 
 @st.composite
 def bad_route(draw: st.DrawFn) -> Req:
-    kind = draw(st.sampled_from(["model", "version", "method", "not generation", "path"]))
+    kind = draw(st.sampled_from(["model", "version", "method", "not generation", "config", "path"]))
     name = draw(st.from_regex(r"[A-Za-z0-9_-]{1,10}", fullmatch=True))
     if kind == "model":
         name = name if name not in ("affine", "mixed", "spin", "tokenizer", "gpt2") else name + "_"
@@ -704,6 +704,15 @@ def bad_route(draw: st.DrawFn) -> Req:
         return Req(
             draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH"])), path, VALID_BODIES[path]
         )
+    if kind == "config":  # the model config: a version the model lacks, or a method not GET
+        model = draw(st.sampled_from(["affine", "mixed", "tokenizer", "gpt2", "raw"]))
+        if draw(st.booleans()):
+            version = draw(st.one_of(
+                st.integers(2, 10**6).map(str), st.from_regex(r"[A-Za-z_-]{1,8}", fullmatch=True)
+            ))  # fmt: skip
+            return Req("GET", f"/v2/models/{model}/versions/{version}/config", b"")
+        method = draw(st.sampled_from(["POST", "PUT", "DELETE", "PATCH"]))
+        return Req(method, f"/v2/models/{model}/config", b"{}")
     if kind == "not generation":  # generate on a model that does not generate
         model = draw(st.sampled_from(["affine", "tokenizer"]))
         return Req("POST", f"/v2/models/{model}/generate", VALID_BODIES["/v2/models/gpt2/generate"])
@@ -928,7 +937,7 @@ STRATEGIES: list[tuple[str, st.SearchStrategy[Req], int]] = [
     ("not JSON", not_json(), 350),
     ("content encoding", bad_encoding(), 200),
     ("too large", too_large(), 60),
-    ("routes", bad_route(), 100),
+    ("routes", bad_route(), 120),
     ("generate", generate_malformed(), 450),
     ("openai", openai_malformed(), 750),
     ("predictions", predictions_malformed(), 250),

@@ -155,12 +155,17 @@ def test_max_connections_http(few_connections: ServerProcess) -> None:
         "is 2; retry later"
     )
     third.close()
-    # Any route: a raw body to /predictions on one connection too many, alike.
-    fourth = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    fourth.request("POST", "/predictions/affine", b"\xff\xd8", {"Content-Type": "image/jpeg"})
-    r = fourth.getresponse()
-    assert r.status == 429 and "limits.max_connections is 2" in orjson.loads(r.read())["error"]
-    fourth.close()
+    # Any route: a raw body to /predictions, the model config, on one connection too many.
+    for method, path, body, headers in (
+        ("POST", "/predictions/affine", b"\xff\xd8", {"Content-Type": "image/jpeg"}),
+        ("GET", "/v2/models/affine/config", None, {}),
+    ):
+        fourth = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        fourth.request(method, path, body, headers)
+        r = fourth.getresponse()
+        assert r.status == 429, path
+        assert "limits.max_connections is 2" in orjson.loads(r.read())["error"]
+        fourth.close()
     assert _infer_on(first)[0] == 200  # the open ones are served as before
     second.close()
     # Once the server has seen a connection go, a new one is served.

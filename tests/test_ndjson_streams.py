@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import lm_models
 import orjson
 import pytest
-from conftest import ServerProcess
-from gen_helpers import gen_stats, idle, wait_gen
+from conftest import ServerProcess, start_server, write_config
+from gen_helpers import GENERATION, gen_stats, idle, wait_gen
+from helpers import frozen
 
 from aserve.frontends.http.stream import wants_ndjson
 
@@ -214,3 +217,79 @@ def test_http_client_reads_the_stream_line_by_line(decoder_server: ServerProcess
 )
 def test_accept_chooses_the_framing(accept: str | None, ndjson: bool) -> None:
     assert wants_ndjson(accept) is ndjson
+
+
+# --- limits.max_concurrency: a stream holds its slot while it streams ------------------
+
+
+@pytest.fixture(scope="module")
+def one_stream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The tiny gpt2 alone, with room for one inference request and two connections."""
+    gpt2 = lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
+    folder = tmp_path_factory.mktemp("ndjson-limits")
+    model = {"name": "gpt2", "engine": "decoder", "path": str(gpt2), "generation": GENERATION}
+    limits = {"max_concurrency": 1, "max_connections": 2}
+    srv = start_server(write_config(folder, {"limits": limits, "models": [model]}))
+    yield srv
+    srv.stop()
+
+
+async def _kept_alive(port: int, path: str) -> asyncio.StreamWriter:
+    """A connection that has been answered ``GET path`` and stays open (keep-alive)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
+    assert int((await reader.readline()).split()[1]) == 200
+    length = 0
+    while (line := await reader.readline()) != b"\r\n":
+        name, _, value = line.decode().partition(":")
+        length = int(value) if name.lower() == "content-length" else length
+    await reader.readexactly(length)
+    return writer
+
+
+async def test_an_ndjson_stream_counts_under_the_limits(one_stream: ServerProcess) -> None:
+    """While one NDJSON stream is open (its step process held stopped, so it cannot end
+    early), the next stream on either route is refused at once: 429 and plain JSON, by
+    limits.max_concurrency; with one more connection open, by limits.max_connections."""
+    base = one_stream.base
+    (step_process,) = one_stream.spawned_children()
+    held = {"text_input": "Hello", "parameters": {"max_tokens": 100, "ignore_eos": True}}
+    chat = {"model": "gpt2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "stream": True}  # fmt: skip
+    limit = "server is serving 1 requests, its limit limits.max_concurrency is 1; retry later"
+    # No loop watchdog here: its probes' connection would count under max_connections.
+    async with aiohttp.ClientSession() as session:
+        r = await session.post(
+            base + "/v2/models/gpt2/generate_stream", json=held, headers={"Accept": NDJSON}
+        )
+        assert r.status == 200 and r.content_type == NDJSON
+        orjson.loads(await r.content.readline())  # streaming: it holds the slot
+        with frozen(step_process.pid):
+            refused = [("/v2/models/gpt2/generate_stream", held), ("/v1/chat/completions", chat)]
+            for path, doc in refused:
+                status, head, [body] = await _chunked_lines(one_stream.port, path, doc)
+                assert (status, head["content-type"]) == (429, "application/json"), body
+                assert head["retry-after"] == "1"
+                error = orjson.loads(body)["error"]
+                assert (error if isinstance(error, str) else error["message"]) == limit
+            # The stream's connection and a kept-alive one are two: a third is refused.
+            other = await _kept_alive(one_stream.port, "/v2/models/gpt2/config")
+            for path, doc in refused:
+                status, head, [body] = await _chunked_lines(one_stream.port, path, doc)
+                assert (status, head["content-type"]) == (429, "application/json"), body
+                error = orjson.loads(body)["error"]
+                message = error if isinstance(error, str) else error["message"]
+                assert "its limit limits.max_connections is 2" in message, message
+            other.close()
+        r.close()  # the held stream goes: its slot is free once the server has seen it
+    # Served again once the server has seen both connections go (until then, 429).
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        status, head, lines = await _chunked_lines(one_stream.port, "/v1/chat/completions", chat)
+        if status == 200 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert (status, head["content-type"]) == (200, NDJSON)
+    assert orjson.loads(lines[-1])["choices"][0]["finish_reason"] == "length"
+    async with aiohttp.ClientSession() as session:
+        await wait_gen(session, base, "gpt2", idle)  # the held sequence was cancelled

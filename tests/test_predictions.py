@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import gzip
 import hashlib
+import mimetypes
+import re
+import shlex
 import shutil
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -300,3 +304,91 @@ async def test_deadlines_apply_as_on_infer(raw_server: ServerProcess) -> None:
             status, _, body = await _post(session, url, b"late", {"aserve-timeout-ms": "200"})
             assert status in (503, 504), body
         assert (await held)[0] == 200
+
+
+# --- the README's example, as written ------------------------------------------------
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _readme_digest() -> tuple[str, list[list[str]]]:
+    """The README's raw-body handler (its code) and the commands that serve and ask it."""
+    text = README.read_text()
+    section = text[text.index("- Raw bodies: `POST /predictions") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    bash = re.search(r"```python\n.*?```.*?```bash\n(.*?)```", section, re.S)
+    assert code and bash, "the README's /predictions example or its commands are gone"
+    lines = textwrap.dedent(bash.group(1)).replace("\\\n", " ").splitlines()
+    commands = [shlex.split(re.sub(r"\s+#.*$", "", line)) for line in lines if line.strip()]
+    return textwrap.dedent(code.group(1)), commands
+
+
+def _as_curl_sends(words: list[str], port: int, folder: Path) -> tuple[str, Any, dict[str, str]]:
+    """The URL, body and headers curl sends for ``words`` (the flags the README uses)."""
+    assert words[0] == "curl", words
+    url, data, headers = "", None, {}
+    args = iter(words[1:])
+    for word in args:
+        if word == "-s":
+            continue
+        if word == "-H":  # replaces the default Content-Type of the data flags
+            name, _, value = next(args).partition(":")
+            headers[name] = value.strip()
+        elif word in ("--data-binary", "-d"):
+            value = next(args)
+            data = (folder / value[1:]).read_bytes() if value.startswith("@") else value.encode()
+            headers.setdefault("Content-Type", "application/x-www-form-urlencoded")  # curl's
+        elif word == "-F":
+            name, _, value = next(args).partition("=@")
+            data = data or aiohttp.FormData()
+            ctype = mimetypes.guess_type(value)[0] or "application/octet-stream"
+            data.add_field(name, (folder / value).read_bytes(), filename=value, content_type=ctype)
+        else:
+            assert word.startswith("localhost:8000/"), f"curl flag {word!r} not handled here"
+            url = word.replace("localhost:8000", f"http://127.0.0.1:{port}")
+    return url, data, headers
+
+
+async def test_the_readme_digest_example_works_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler saved as the README says, ``aserve serve`` on it from its folder, and
+    the README's curl lines (raw bytes, multipart files, V2 tensors) answered."""
+    code, commands = _readme_digest()
+    serve, *curls = commands
+    assert serve[:2] == ["aserve", "serve"], serve
+    module = serve[2].partition(":")[0]
+    (tmp_path / f"{module}.py").write_text(code)
+    images = {name: bytes(range(256)) * (i + 3) for i, name in enumerate(("cat.jpg", "dog.jpg"))}
+    for name, data in images.items():
+        (tmp_path / name).write_bytes(data)
+    monkeypatch.chdir(tmp_path)  # the server imports the handler from the folder it runs in
+    srv = start_server(None, argv=[*serve[1:], "--port", "0", "--no-grpc"])
+    *asks, (*scrape, bar, grep, pattern) = curls
+    assert (bar, grep) == ("|", "grep"), scrape
+    answers = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            for words in asks:
+                url, data, headers = _as_curl_sends(words, srv.port, tmp_path)
+                status, _, body = await _post(session, url, data, headers)
+                assert status == 200, (words, body)
+                answers.append(orjson.loads(body))
+            url, _, _ = _as_curl_sends(scrape, srv.port, tmp_path)
+            async with session.get(url) as r:
+                metrics = [
+                    line for line in (await r.text()).splitlines() if re.match(pattern, line)
+                ]
+    finally:
+        srv.stop()
+    raw, parts, v2 = answers
+    cat = images["cat.jpg"]
+    assert raw == {"length": len(cat), "sha256": hashlib.sha256(cat).hexdigest()}
+    both = b"".join(images.values())
+    assert parts == {"length": len(both), "sha256": hashlib.sha256(both).hexdigest()}
+    assert v2["outputs"][0]["name"] == "LENGTH" and v2["outputs"][0]["data"] == [5]
+    seen = {"raw": len(cat) + len(both), "v2": 5}
+    assert sorted(metrics) == sorted(
+        f'{pattern[1:]}{{model="digest",route="{route}",version="1"}} {n:.1f}'
+        for route, n in seen.items()
+    )

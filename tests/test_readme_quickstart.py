@@ -58,6 +58,21 @@ def _curl(command: str, port: int) -> tuple[str, str]:
     return f"http://{url}", words[4]
 
 
+def test_the_quick_start_keeps_its_steps_in_order() -> None:
+    """The two commands, a model file served, a streamed chat on the offline decoder,
+    then a handler project scaffolded, archived and served: in this order, before the
+    next section."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Two commands")
+    quick_start = readme[start : readme.index("\n## ", start)]
+    steps = ["scripts/serve\n", "scripts/test\n", "aserve serve models/linear.pt",
+             "/v1/chat/completions", "aserve new demo", "aserve archive demo",
+             "aserve serve demo.aserve"]  # fmt: skip
+    where = [quick_start.find(step) for step in steps]
+    assert -1 not in where, dict(zip(steps, where, strict=True))
+    assert where == sorted(where), dict(zip(steps, where, strict=True))
+
+
 def test_a_model_file_served_in_one_command(tmp_path: Path) -> None:
     make, serve, curl = _block("### Your own model file, in one command")
     assert make.startswith("mkdir -p models && .venv/bin/python -c"), make

@@ -5,6 +5,7 @@ are skipped, with the reason, where TensorRT or a GPU is missing."""
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -359,7 +360,7 @@ def _fake_trt(memory: _Memory, log: list, profiles: int, max_batch: int):
 
     trt = types.SimpleNamespace(
         __version__="10.13.0",
-        Logger=type("Logger", (), {"WARNING": 1, "__init__": lambda self, level: None}),
+        Logger=type("Logger", (), {"WARNING": 1, "ERROR": 2, "__init__": lambda self, level: None}),
         Runtime=Runtime,
         TensorIOMode=types.SimpleNamespace(INPUT=INPUT, OUTPUT=OUTPUT),
     )
@@ -420,3 +421,30 @@ def test_engine_load_checks_profiles_and_plan(fake_trt_engine):
         fake_trt_engine(engine_max_batch=16).load()
     with pytest.raises(RuntimeError, match=r"cannot load m.plan: an engine only loads in the"):
         fake_trt_engine(plan=b"other").load()
+
+
+def test_serve_reads_a_plans_tensors_from_the_engine(
+    monkeypatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    """``aserve serve m.plan``'s CPU side, with the stand-in TensorRT: no --input or
+    --output, the tensors come from the engine, the device defaults to cuda; an engine
+    TensorRT cannot load exits 2 naming the file. (bench/gpu_check.sh serves a real .plan.)"""
+    from aserve.cli import main
+    from aserve.engines import checks, cuda_rt, tensorrt_engine
+
+    trt = _fake_trt(_Memory(), [], profiles=1, max_batch=32)
+    monkeypatch.setattr(tensorrt_engine, "import_tensorrt", lambda: trt)
+    monkeypatch.setattr(cuda_rt, "set_device", lambda index: None)
+    monkeypatch.setattr("aserve.engines.requirements.engine_problem", lambda e, d: None)
+    monkeypatch.setattr(checks, "engine_problem", lambda e, d: None)
+    (tmp_path / "m.plan").write_bytes(b"PLAN")
+    assert main(["serve", str(tmp_path / "m.plan"), "--print-config"]) == 0
+    (model,) = json.loads(capsys.readouterr().out)["models"]
+    assert (model["engine"], model["device"]) == ("tensorrt", "cuda")
+    assert model["inputs"] == [{"name": "X", "datatype": "FP32", "shape": [16]}]
+    assert model["outputs"] == [{"name": "Y", "datatype": "FP32", "shape": [16]}]
+
+    (tmp_path / "old.plan").write_bytes(b"built by another TensorRT")
+    assert main(["serve", str(tmp_path / "old.plan"), "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "old.plan: TensorRT 10.13.0 cannot load old.plan" in err, err

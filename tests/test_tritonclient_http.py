@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import json
+import re
+import shlex
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -66,6 +75,26 @@ def test_model_config_is_the_one_grpc_gives(client, grpc_client, model):
         # A number, as Triton's HTTP server writes it (perf_analyzer reads it so).
         assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
         assert config["input"] == [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [16]}]
+
+
+def test_the_readme_config_commands_work_as_written(client, server):
+    """The HTTP API section's curl and tritonclient lines, on the default model's name."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## HTTP API (KServe V2 REST)") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "the README's model config commands are gone"
+    curl, python = [shlex.split(line.partition("  #")[0]) for line in block.group(1).splitlines()]
+    assert curl[:2] == ["curl", "-s"] and curl[2].startswith("localhost:8000/"), curl
+    url = "http://" + curl[2].replace("localhost:8000", f"127.0.0.1:{server.port}")
+    with urllib.request.urlopen(url, timeout=30) as r:
+        assert r.status == 200
+        got = json.loads(r.read())
+    assert got == client.get_model_config("affine")
+    assert python[:2] == [".venv/bin/python", "-c"], python
+    code = python[2].replace("localhost:8000", f"127.0.0.1:{server.port}")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    assert ast.literal_eval(done.stdout.strip()) == got
 
 
 def test_unknown_model_config_raises_404(client):

@@ -33,6 +33,17 @@ def test_the_example_default_config_is_the_embedded_one():
     assert example.read_bytes() == (REPO / "aserve" / "default_config.json").read_bytes()
 
 
+def test_the_readme_names_every_extra():
+    """The wheel section's list of extras is the package's (the dev tools aside)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    named = set(extras["optional-dependencies"]) - {"dev"}
+    readme = (REPO / "README.md").read_text()
+    m = re.search(r"^Extras: (.*?)\.$", readme, re.M | re.S)
+    assert m, "the README's list of extras is gone"
+    assert set(re.findall(r"`(?:aserve)?\[(\w+)\]`", m.group(1))) == named
+
+
 def _torch_pin() -> str:
     """The torch the setup pins (one place: scripts/setup)."""
     m = re.search(r'^TORCH="(torch==[^"]+)"$', (REPO / "scripts" / "setup").read_text(), re.M)
