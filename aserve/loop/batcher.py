@@ -44,8 +44,9 @@ from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailabl
 from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
 from aserve.obs.stats import ModelStats
+from aserve.sched.echo import Echoes
 from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
-from aserve.sched.policy import BatchLimits, QueueView, deadline_cap, plan, predicted_finish
+from aserve.sched.policy import BatchLimits, Echo, QueueView, deadline_cap, plan, predicted_finish
 from aserve.workers.job import BatchJob, Executor, Staged, Staging
 
 log = logging.getLogger("aserve.batcher")
@@ -94,6 +95,7 @@ class Batcher:
         self.max_queue_size = batching.max_queue_size
         self.latency = LatencyModel(batching.max_batch_size)
         self._rate = ArrivalRate()
+        self._echoes = Echoes()  # what batch ends bring back (a closed loop's clients)
         self.margin = AdmissionMargin(clock=clock)
         self._quiet_since = clock()  # when it was last seen idle
         # Until when a burst that found it rested is admitted on the measured latencies
@@ -162,6 +164,7 @@ class Batcher:
         self._queued_requests += 1
         self._queued_items += req.batch_size
         self._rate.observe(now)
+        self._echoes.arrived(now, req.batch_size)
         if not self._pump_soon:
             self._pump_soon = True
             self._loop.call_soon(self._pump)
@@ -346,7 +349,7 @@ class Batcher:
                 continue  # the queue changed: look at it again
             view = QueueView(self._queued_items, self._oldest_arrival(), self._heap[0].deadline)
             decision = plan(now, view, self._free, self.limits, self.latency.estimate,
-                            self._rate.per_second(now))  # fmt: skip
+                            self._rate.per_second(now), self._echoes.expected(now))  # fmt: skip
             if decision.take == 0:
                 wake_at = decision.wake_at
                 break
@@ -376,6 +379,11 @@ class Batcher:
         """When the first busy instance is expected to be free (``now`` if overdue)."""
         return max(now, min((r.expected_end for r in self._running), default=now))
 
+    def _echo_at(self, start: float) -> Echo | None:
+        """What the batch expected to end first (at ``start``) will bring back."""
+        first = min(self._running, key=lambda r: r.expected_end, default=None)
+        return None if first is None else self._echoes.after(start, first.size)
+
     def _stage(self, now: float) -> None:
         """Every instance is busy: stage the batch the policy would cut the moment
         the first one frees up (its expected end), if it would cut one then."""
@@ -386,7 +394,7 @@ class Batcher:
         start = self._first_free_at(now)
         view = QueueView(self._queued_items, self._oldest_arrival(), heap[0].deadline)
         decision = plan(start, view, 1, self.limits, self.latency.estimate,
-                        self._rate.per_second(now))  # fmt: skip
+                        self._rate.per_second(now), self._echo_at(start))  # fmt: skip
         if decision.take == 0:
             return  # it would wait for more then: the batch is cut when it frees up
         picked = self._form(decision.take, now)
@@ -424,7 +432,7 @@ class Batcher:
             view = QueueView(running.size + self._queued_items, oldest,
                              min(earliest, heap[0].deadline))  # fmt: skip
             take = plan(start, view, 1, self.limits, self.latency.estimate,
-                        self._rate.per_second(now)).take  # fmt: skip
+                        self._rate.per_second(now), self._echo_at(start)).take  # fmt: skip
             room = take - running.size
             grown = earliest
             while heap and room > 0:
@@ -594,6 +602,8 @@ class Batcher:
         self._running.discard(running)
         if running.timer is not None:
             running.timer.cancel()
+        answered = sum(r.batch_size for r in running.requests if not r.future.done())
+        self._echoes.ended(now, answered, self.limits.max_delay)
         if job.error is None:  # a failure's time (an instant refusal, say) says nothing
             self.latency.observe(running.size, now - running.started)
         t0 = time.perf_counter_ns()
