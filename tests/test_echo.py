@@ -256,16 +256,17 @@ async def test_open_loop_arrivals_batch_as_without_the_echo(monkeypatch, rate):
 
 
 def test_echoes_learn_a_closed_loop_and_not_an_open_one():
-    window = 0.005
+    max_delay = 0.005
+    window = 2 * max_delay  # an echo is counted over twice max_delay after an end
     echoes = Echoes()
     t = 10.0
     for _ in range(30):  # each batch of 8 brings its 8 back within 0.4-1.1 ms
-        echoes.ended(t, 8, window)
+        echoes.ended(t, 8, max_delay)
         for i in range(8):
             echoes.arrived(t + (0.4 + 0.1 * i) / 1000)
         t += 0.040
     assert echoes.ratio == pytest.approx(1.0, abs=0.01)
-    echoes.ended(t, 8, window)
+    echoes.ended(t, 8, max_delay)
     echoes.arrived(t + 0.0004)
     forecast = echoes.expected(t + 0.0004)
     assert forecast is not None and forecast.items == 7
@@ -282,7 +283,7 @@ def test_echoes_learn_a_closed_loop_and_not_an_open_one():
         while arrival < end:
             echoes.arrived(arrival)
             arrival += rng.expovariate(1000.0)
-        echoes.ended(end, 20, window)
+        echoes.ended(end, 20, max_delay)
         t = end
     assert abs(echoes.ratio) < 0.1
     assert echoes.expected(t) is None and echoes.after(t + 0.02, 20) is None
