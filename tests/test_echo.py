@@ -275,6 +275,20 @@ def test_echoes_learn_a_closed_loop_and_not_an_open_one():
     assert forecast.since == t
     assert echoes.expected(t + window + 1e-6) is None  # its window is over
 
+    # In turns of 1 (12 ms) and 15 (63 ms): the 15 come back 6 ms after their end,
+    # while the batch of 1 runs; they are no background of the end of that batch.
+    echoes = Echoes()
+    t = 10.0
+    for _ in range(30):
+        echoes.ended(t, 15, max_delay)
+        for i in range(15):
+            echoes.arrived(t + 0.006 + i * 1e-5)
+        t += 0.012
+        echoes.ended(t, 1, max_delay)
+        echoes.arrived(t + 0.0016)
+        t += 0.063
+    assert echoes.ratio == pytest.approx(1.0, abs=0.01)
+
     rng = random.Random(3)
     echoes = Echoes()
     t = arrival = 10.0

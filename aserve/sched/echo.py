@@ -20,10 +20,14 @@ echo is worth holding requests for when its first requests come within
 the end), or, with nothing queued then, when the rest follow within
 ``max_delay`` of the first (held from their arrival); a measure over
 ``max_delay`` alone missed a loaded machine's echo whose first requests came
-5-8 ms after the end, with ``max_delay`` at 5 ms. The same
-count over the ``len`` just before ``e`` is subtracted: arrivals that come
-regardless of batch ends (an open loop's, a steady background) are as many
-before an end as after it, and only what the end brought remains. Two
+5-8 ms after the end, with ``max_delay`` at 5 ms. What arrives regardless
+of batch ends (an open loop's arrivals, a steady background) is subtracted:
+the arrivals of the same length just before ``e`` (as many, in the mean, as
+after it), leaving out the window of the end before (what it brought back
+is no background: at 16 clients in turns of 1 and 15, the 15 came back
+while the batch of 1 ran, and the end of that batch seemed to bring back
+-14), the rest scaled to ``len``; where nothing is left (batches shorter
+than the window), the whole length before ``e``. Two
 moving means follow the windows: ``ratio``, that excess over ``k`` (about 1
 in a closed loop, about 0 in an open one), and the return time, the offset
 of the window's last arrival (with a mean deviation, as TCP follows its
@@ -52,8 +56,8 @@ _MIN_RATIO = 0.5
 class Echoes:
     """The echo of batch ends in the arrivals of one model, and its forecast."""
 
-    __slots__ = ("_after", "_alpha", "_before", "_dev", "_end", "_items", "_lag", "_last",
-                 "_open", "_times", "_window", "ratio")  # fmt: skip
+    __slots__ = ("_after", "_alpha", "_before", "_before_s", "_closed_at", "_dev", "_end",
+                 "_items", "_lag", "_last", "_open", "_times", "_window", "ratio")  # fmt: skip
 
     def __init__(self, alpha: float = 0.2) -> None:
         self._alpha = alpha
@@ -66,7 +70,9 @@ class Echoes:
         self._end = 0.0
         self._items = 0  # answered by that end
         self._window = 0.0
-        self._before = 0  # arrivals in the window's length before the end
+        self._before = 0  # arrivals before the end, in the last window's length (less the
+        self._before_s = 0.0  # end before's window), and that length (0: nothing was left)
+        self._closed_at = -math.inf  # where the end before's window closed
         self._after = 0  # arrivals since the end, within the window
         self._last = 0.0  # the offset of the last of them
 
@@ -101,7 +107,9 @@ class Echoes:
         self._end = now
         self._items = items
         self._after = 0
-        self._before = self._count(now - window, now)
+        start = max(now - window, self._closed_at)
+        self._before_s = max(now - start, 0.0)
+        self._before = self._count(start, now) if self._before_s > 0.0 else 0
 
     def _count(self, start: float, end: float) -> int:
         """Arrivals in ``(start, end]`` (recent ones only: ``end`` is the last end)."""
@@ -112,10 +120,14 @@ class Echoes:
         """The window after the last end closes after ``length``: learn from it."""
         self._open = False
         end = self._end
-        before = self._before if length >= self._window else self._count(end - length, end)
-        excess = self._after - before
+        self._closed_at = end + length
+        if self._before_s > 0.0:
+            background = self._before * length / self._before_s
+        else:
+            background = self._count(end - length, end)
+        excess = self._after - background
         a = self._alpha
-        self.ratio += a * (min(excess / self._items, 2.0) - self.ratio)
+        self.ratio += a * (min(max(excess / self._items, -2.0), 2.0) - self.ratio)
         if excess >= 1:
             lag = self._last
             if math.isnan(self._lag):

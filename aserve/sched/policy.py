@@ -42,7 +42,7 @@ a batch of ``k``):
    arrival, would forbid every echo wait: the requests queued behind a
    batch are always older than ``max_delay`` when it ends). An open loop has
    no echo (its arrivals are as many before an end as after), so nothing
-   changes for it; nor for an idle server (an echo is only expected within
+   changes for it; nor for an idle server (an echo is only expected within twice
    ``max_delay`` of a batch end).
 5. Otherwise run all ``n`` now if the oldest has waited ``max_delay``, or if
    waiting longer would make the earliest deadline miss
