@@ -30,7 +30,7 @@ a batch of ``k``):
    the ``m`` items by ``due + L(m)``; running now serves them by
    ``max(now + L(n), due) + L(m - n)`` (the rest run as the next batch, as
    soon as both they and the instance are there; with another instance free,
-   at ``due``). Wait when that is later: a return that is quick against the
+   at ``due``). Wait when running now is the later: a return that is quick against the
    batch is worth a wait, one that takes as long as the small batch runs
    (say, a front that parses and tokenizes each returning request on the
    loop while the instance runs) is not. The wait ends by ``by``, cut to
