@@ -217,6 +217,7 @@ class Batcher:
         queued = self._queued_requests + ahead_requests
         if queued >= self.max_queue_size:
             self._stats.rejected["queue_full"] += 1
+            self._echoes.arrived(now, items)  # sent, if not admitted: no echo (see sched.echo)
             raise QueueFull(
                 f"model '{self.label}' queue is full: {queued} requests waiting "
                 f"(max_queue_size {self.max_queue_size}); retry later"
@@ -285,6 +286,7 @@ class Batcher:
         finish += lag
         if finish > deadline:
             self._stats.rejected["deadline_unmeetable"] += 1
+            self._echoes.arrived(now, items)
             raise Unavailable(
                 f"model '{self.label}' cannot meet the request's deadline: "
                 f"{(deadline - now) * 1e3:.1f} ms left, but {queued} request(s) "

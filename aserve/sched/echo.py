@@ -27,7 +27,11 @@ after it), leaving out the window of the end before (what it brought back
 is no background: at 16 clients in turns of 1 and 15, the 15 came back
 while the batch of 1 ran, and the end of that batch seemed to bring back
 -14), the rest scaled to ``len``; where nothing is left (batches shorter
-than the window), the whole length before ``e``. Two
+than the window), the whole length before ``e``. The arrivals are the
+requests clients send, those that admission control refuses included: under
+overload the admitted ones come in a wave after each end (the queue ahead of
+them is gone), admission's echo, not the clients', while what they send
+comes regardless of the ends. Two
 moving means follow the windows: ``ratio``, that excess over ``k`` (about 1
 in a closed loop, about 0 in an open one), and the return time, the offset
 of the window's last arrival (with a mean deviation, as TCP follows its
@@ -87,9 +91,13 @@ class Echoes:
                 self._close(self._window)
         if self._window > 0.0:
             times = self._times
-            times.append(now)
-            if items > 1:
-                times.extend([now] * (items - 1))
+            if times and now < times[-1]:  # a refusal timed at its arrival, a little earlier
+                for _ in range(items):
+                    bisect.insort(times, now)
+            else:
+                times.append(now)
+                if items > 1:
+                    times.extend([now] * (items - 1))
             horizon = now - 2.0 * self._window
             while times[0] < horizon:
                 times.popleft()
