@@ -139,7 +139,7 @@ def test_no_batch_runs_past_the_earliest_deadline_in_the_queue():
     assert plan(10.0, view(40, deadline_in=0.001), 1, plain, cost, 0.0).take == 1
     # Time enough: the full batch.
     assert plan(10.0, view(40, deadline_in=1.0), 1, plain, cost, 0.0).take == 32
-    # Fewer waiting than the cap: the usual rules (rule 4, the deadline is near).
+    # Fewer waiting than the cap: the usual rules (rule 5, the deadline is near).
     assert plan(10.0, view(10, deadline_in=0.0205), 1, plain, cost, 1e3).take == 10
 
 

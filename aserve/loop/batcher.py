@@ -44,8 +44,8 @@ from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailabl
 from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
 from aserve.obs.stats import ModelStats
-from aserve.sched.latency import AdmissionMargin, ArrivalRate, LatencyModel
-from aserve.sched.policy import BatchLimits, QueueView, deadline_cap, plan, predicted_finish
+from aserve.sched.latency import AdmissionMargin, ArrivalRate, Echoes, LatencyModel
+from aserve.sched.policy import BatchLimits, Echo, QueueView, deadline_cap, plan, predicted_finish
 from aserve.workers.job import BatchJob, Executor, Inline, Staged, Staging
 
 log = logging.getLogger("aserve.batcher")
@@ -94,6 +94,7 @@ class Batcher:
         self.max_queue_size = batching.max_queue_size
         self.latency = LatencyModel(batching.max_batch_size)
         self._rate = ArrivalRate()
+        self._echoes = Echoes()  # what batch ends bring back (a closed loop's clients)
         self.margin = AdmissionMargin(clock=clock)
         self._quiet_since = clock()  # when it was last seen idle
         # Until when a burst that found it rested is admitted on the measured latencies
@@ -160,6 +161,7 @@ class Batcher:
         req.predicted = self.check_admission(req.arrival, req.deadline, req.batch_size) or 0.0
         now = req.arrival
         self._rate.observe(now)
+        self._echoes.arrived(now, req.batch_size)
         self._arrived += 1
         if self._inline is not None and self._runs_now(req, now):
             self._run_inline(req)
@@ -191,7 +193,8 @@ class Batcher:
             return False
         view = QueueView(n, now, req.deadline)
         rate = self._rate.per_second(now)
-        return plan(now, view, self._free, self.limits, self.latency.estimate, rate).take == n
+        echo = self._echoes.expected(now)
+        return plan(now, view, self._free, self.limits, self.latency.estimate, rate, echo).take == n
 
     def _run_inline(self, req: InferenceRequest) -> None:
         """Run ``req`` as a batch of its own here, inline, and answer it before
@@ -260,6 +263,9 @@ class Batcher:
         queued = self._queued_requests + ahead_requests
         if queued >= self.max_queue_size:
             self._stats.rejected["queue_full"] += 1
+            self._echoes.arrived(
+                now, items
+            )  # sent, if not admitted: no echo (see sched.latency.Echoes)
             raise QueueFull(
                 f"model '{self.label}' queue is full: {queued} requests waiting "
                 f"(max_queue_size {self.max_queue_size}); retry later"
@@ -328,6 +334,7 @@ class Batcher:
         finish += lag
         if finish > deadline:
             self._stats.rejected["deadline_unmeetable"] += 1
+            self._echoes.arrived(now, items)
             raise Unavailable(
                 f"model '{self.label}' cannot meet the request's deadline: "
                 f"{(deadline - now) * 1e3:.1f} ms left, but {queued} request(s) "
@@ -398,7 +405,7 @@ class Batcher:
                 continue  # the queue changed: look at it again
             view = QueueView(self._queued_items, self._oldest_arrival(), self._heap[0].deadline)
             decision = plan(now, view, self._free, self.limits, self.latency.estimate,
-                            self._rate.per_second(now))  # fmt: skip
+                            self._rate.per_second(now), self._echoes.expected(now))  # fmt: skip
             if decision.take == 0:
                 wake_at = decision.wake_at
                 break
@@ -428,6 +435,11 @@ class Batcher:
         """When the first busy instance is expected to be free (``now`` if overdue)."""
         return max(now, min((r.expected_end for r in self._running), default=now))
 
+    def _echo_at(self, start: float) -> Echo | None:
+        """What the batch expected to end first (at ``start``) will bring back."""
+        first = min(self._running, key=lambda r: r.expected_end, default=None)
+        return None if first is None else self._echoes.after(start, first.size)
+
     def _stage(self, now: float) -> None:
         """Every instance is busy: stage the batch the policy would cut the moment
         the first one frees up (its expected end), if it would cut one then."""
@@ -438,7 +450,7 @@ class Batcher:
         start = self._first_free_at(now)
         view = QueueView(self._queued_items, self._oldest_arrival(), heap[0].deadline)
         decision = plan(start, view, 1, self.limits, self.latency.estimate,
-                        self._rate.per_second(now))  # fmt: skip
+                        self._rate.per_second(now), self._echo_at(start))  # fmt: skip
         if decision.take == 0:
             return  # it would wait for more then: the batch is cut when it frees up
         picked = self._form(decision.take, now)
@@ -476,7 +488,7 @@ class Batcher:
             view = QueueView(running.size + self._queued_items, oldest,
                              min(earliest, heap[0].deadline))  # fmt: skip
             take = plan(start, view, 1, self.limits, self.latency.estimate,
-                        self._rate.per_second(now)).take  # fmt: skip
+                        self._rate.per_second(now), self._echo_at(start)).take  # fmt: skip
             room = take - running.size
             grown = earliest
             while heap and room > 0:
@@ -651,6 +663,8 @@ class Batcher:
         self._running.discard(running)
         if running.timer is not None:
             running.timer.cancel()
+        answered = sum(r.batch_size for r in running.requests if not r.future.done())
+        self._echoes.ended(now, answered, self.limits.max_delay)
         if job.error is None:  # a failure's time (an instant refusal, say) says nothing
             self.latency.observe(running.size, now - running.started)
         t0 = time.perf_counter_ns()

@@ -19,12 +19,37 @@ a batch of ``k``):
    cap is below ``max_batch_size``); with no deadline pressure ``cap`` is
    ``max_batch_size``.
 3. ``n`` reaches a preferred size: run the largest preferred size that fits.
-4. Otherwise run all ``n`` now if the oldest has waited ``max_delay``, or if
+4. Wait for an echo if it pays (``echo``, measured by
+   :class:`~aserve.sched.latency.Echoes`): when the clients a batch answered
+   come back within a return time of its end (a closed loop), the end of a
+   batch says that ``e`` more items are due at ``due`` and may come until
+   ``by``. The mean rate cannot see them: it spreads them over the whole
+   cycle, and with ``c`` such clients the queue splits into groups that take
+   turns (at ``c`` = 16, batches of 8, or of 2 and 14). With
+   ``m = min(n + e, next preferred size, max_batch_size)``, waiting serves
+   the ``m`` items by ``due + L(m)``; running now serves them by
+   ``max(now + L(n), due) + L(m - n)`` (the rest run as the next batch, as
+   soon as both they and the instance are there; with another instance free,
+   at ``due``). Wait when running now is the later: a return that is quick against the
+   batch is worth a wait, one that takes as long as the small batch runs
+   (say, a front that parses and tokenizes each returning request on the
+   loop while the instance runs) is not. The wait ends by ``by``, cut to
+   ``max_delay`` after the later of the oldest arrival and the moment the
+   instance freed up (the batch end), and to ``deadline - L(m)``. So
+   ``max_delay`` stays a hard bound on how long a request is held for
+   company while an instance could run it; the time a request queued behind
+   a busy instance is not held for company (rule 5's bound, from the oldest
+   arrival, would forbid every echo wait: the requests queued behind a
+   batch are always older than ``max_delay`` when it ends). An open loop has
+   no echo (its arrivals are as many before an end as after), so nothing
+   changes for it; nor for an idle server (an echo is only expected within twice
+   ``max_delay`` of a batch end).
+5. Otherwise run all ``n`` now if the oldest has waited ``max_delay``, or if
    waiting longer would make the earliest deadline miss
    (``deadline - L(n) <= now``).
-5. Otherwise wait only if it pays: with arrivals at rate ``r`` the next
+6. Otherwise wait only if it pays: with arrivals at rate ``r`` the next
    target size ``m`` (next preferred size, else ``max_batch_size``) fills in
-   ``w = (m - n) / r``; wait when that happens within both bounds of rule 4
+   ``w = (m - n) / r``; wait when that happens within both bounds of rule 5
    and the cost per item including the wait beats running now:
    ``(w + L(m)) / m < L(n) / n``. An idle server (``r`` ~ 0) or a model whose
    time grows in step with the batch never waits.
@@ -67,6 +92,17 @@ class Plan:
     wake_at: float | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """Items a batch end is expected to bring back (rule 4): ``items`` due at
+    ``due``, still expected until ``by``; ``since``: when the instance freed up."""
+
+    items: int
+    due: float
+    by: float
+    since: float
+
+
 _IDLE = Plan(0, None)
 
 
@@ -77,6 +113,7 @@ def plan(
     limits: BatchLimits,
     latency: Callable[[int], float],
     arrival_rate: float,
+    echo: Echo | None = None,
 ) -> Plan:
     """Decide what to run now; see the module docstring for the rules."""
     n = queue.items
@@ -93,6 +130,10 @@ def plan(
         return Plan(fitting[-1])
 
     run_now = latency(n)
+    if echo is not None and run_now > 0.0:
+        waiting = _wait_for_echo(now, n, queue, free_instances, limits, latency, echo, run_now)
+        if waiting is not None:
+            return waiting
     give_up_at = min(queue.oldest_arrival + limits.max_delay, queue.earliest_deadline - run_now)
     if now >= give_up_at:
         return Plan(n)
@@ -106,6 +147,34 @@ def plan(
     if (wait + latency(target)) / target >= run_now / n:
         return Plan(n)
     return Plan(0, min(now + wait, give_up_at))
+
+
+def _wait_for_echo(
+    now: float,
+    n: int,
+    queue: QueueView,
+    free_instances: int,
+    limits: BatchLimits,
+    latency: Callable[[int], float],
+    echo: Echo,
+    run_now: float,
+) -> Plan | None:
+    """Rule 4: the plan that waits for ``echo``, or None where that does not pay."""
+    target = min(n + echo.items, limits.max_batch_size)
+    target = next((p for p in limits.preferred if n < p < target), target)
+    if target <= n:
+        return None
+    run_then = latency(target)
+    held_from = max(queue.oldest_arrival, echo.since)
+    until = min(echo.by, held_from + limits.max_delay, queue.earliest_deadline - run_then)
+    if now >= until or echo.due > until:
+        return None
+    due = max(echo.due, now)
+    # The rest, behind a batch of n run now (or beside it, on another instance).
+    rest_starts = due if free_instances > 1 else max(now + run_now, due)
+    if due + run_then >= rest_starts + latency(target - n):
+        return None
+    return Plan(0, until)
 
 
 def deadline_cap(
