@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.models import MODELS, default_cache_dir, model_file, sample_input
 from bench.peers.run import scrub
-from bench.report import row_facts
+from bench.report import kept_notes, row_facts
 from bench.run import v2_body
 from bench.servers import MODEL_ENV, ServerProcess, aserve_config, start_plain
 
@@ -60,7 +60,7 @@ def _point(name: str, tree: Path, config: Path, model: Path, body: Path, c: int,
         server.stop()
 
 
-def render(results: dict[str, Any]) -> str:
+def render(results: dict[str, Any], notes: str) -> str:
     f = results["facts"]
     lines = [
         "# The tiny model before/after, beside the plain aiohttp handler",
@@ -88,7 +88,7 @@ def render(results: dict[str, Any]) -> str:
                      _spread([x["p50_ratio"] for x in pts]), f"{p99:.3f}"]  # fmt: skip
             lines.append(f"| {c} | {name} | " + " | ".join(cells) + " |")
     lines += ["", "Targets (issue 17, first): c=1 p50 <= 1.1x the plain handler's; c=16 req/s "
-              ">= 1.0x of it.", ""]  # fmt: skip
+              ">= 1.0x of it.", "", "## Notes", "", notes, ""]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         results = scrub(results, {})  # no folder of this machine in what is kept
         args.out_dir.mkdir(parents=True, exist_ok=True)
         (args.out_dir / "results-tiny-ab.json").write_text(json.dumps(results, indent=2) + "\n")
-        (args.out_dir / "RESULTS-tiny-ab.md").write_text(render(results))
+        md = args.out_dir / "RESULTS-tiny-ab.md"
+        md.write_text(render(results, kept_notes(md.read_text() if md.is_file() else "")))
     return 0
 
 
