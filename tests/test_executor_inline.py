@@ -72,3 +72,58 @@ async def test_a_slow_model_never_runs_on_the_loop() -> None:
         assert threading.get_ident() not in engine.threads
     finally:
         await pool.stop()
+
+
+class _SlowOffTheLoop(_Engine):
+    """Instant on the loop's thread, 0.3 ms on any other: what a tiny model's runs on
+    a thread look like at load, waiting for the GIL between its calls."""
+
+    def __init__(self, loop_thread: int) -> None:
+        super().__init__()
+        self.loop_thread = loop_thread
+
+    def run(self, inputs: dict[str, np.ndarray], instance: int) -> dict[str, np.ndarray]:
+        if threading.get_ident() != self.loop_thread:
+            time.sleep(0.0003)
+        return super().run(inputs, instance)
+
+
+async def test_a_model_slow_only_on_its_threads_is_probed_on_the_loop_and_moves_there() -> None:
+    loop_thread = threading.get_ident()
+    engine = _SlowOffTheLoop(loop_thread)
+    pool = ExecutorPool(engine, 1, "probed")  # type: ignore[arg-type]
+    await pool.start()
+    try:
+        for i in range(8):  # measured on the thread: 0.3 ms, over the inline budget
+            assert (await run_batch(pool, float(i))).error is None
+        assert not pool.runs_inline(1) and pool.inline_batches == 0
+        # One batch in 64 of the class runs on the loop, where it is measured tiny
+        # (a probe the machine preempted may measure slow: the next one decides).
+        i = 0
+        while not pool.runs_inline(1) and i < 4 * 64:
+            job = await run_batch(pool, float(i))
+            assert job.outputs is not None and job.outputs["Y"][0] == 2 * i
+            i += 1
+        assert pool.runs_inline(1) and i % 64 == 0
+        on_loop = [n for n, t in enumerate(engine.threads) if t == loop_thread]
+        assert on_loop == [8 + 64 * k - 1 for k in range(1, i // 64 + 1)]
+        # From then on it runs on the loop.
+        probes = pool.inline_batches
+        await run_batch(pool, 1.0)
+        assert pool.inline_batches == probes + 1 and engine.threads[-1] == loop_thread
+    finally:
+        await pool.stop()
+
+
+async def test_a_model_slow_on_the_loop_too_stays_on_its_threads() -> None:
+    engine = _Engine(delay_s=0.0003)  # 0.3 ms everywhere: over the budget, under the probe bound
+    pool = ExecutorPool(engine, 1, "slow-everywhere")  # type: ignore[arg-type]
+    await pool.start()
+    loop_thread = threading.get_ident()
+    try:
+        for i in range(8 + 3 * 64):  # three probes, each measured slow on the loop
+            assert (await run_batch(pool, float(i))).error is None
+        assert pool.inline_batches == 3 and not pool.runs_inline(1)
+        assert engine.threads.count(loop_thread) == 3
+    finally:
+        await pool.stop()

@@ -55,7 +55,16 @@ _STOP = object()
 # (a thread woken for each batch starts cold: 75 vs 29 µs for y = x + 1), so a
 # tiny model enters at this bound and then stays well under it.
 INLINE_MAX_NS = 100_000
-_COST_WINDOW = 8  # the runs of a size class whose median decides; none inline before
+_COST_WINDOW = 8  # the thread runs of a size class that decide; none inline before
+# Times on a thread are upper bounds: at load the thread waits for the GIL between
+# torch calls while the loop is busy, and a model measured 0.1-5 ms there ran in
+# 40 µs on the loop. So a size class kept on the threads whose fastest recent run
+# there was under _PROBE_MAX_NS runs one batch in _PROBE_EVERY on the loop, and that
+# run's time says what the loop would spend (a probe costs the loop at most about
+# _PROBE_MAX_NS, once per _PROBE_EVERY batches of the class).
+_PROBE_MAX_NS = 1_000_000
+_PROBE_EVERY = 64
+_LOOP_WINDOW = 3  # the loop runs of a size class whose median decides, once there are any
 
 
 class ExecutorPool:
@@ -83,8 +92,11 @@ class ExecutorPool:
         self.restarts = 0
         self.on_live: Callable[[], Any] | None = None
         self._inline_instance: Any = None  # created on the loop's thread, if the engine allows
-        # Per batch-size class (bit length): the last stack+run times (ns), and the verdict.
+        # Per batch-size class (bit length): the last stack+run times (ns) on the
+        # threads and on the loop, the batches since a probe, and the verdict.
         self._costs: dict[int, deque[int]] = {}
+        self._loop_costs: dict[int, deque[int]] = {}
+        self._since_probe: dict[int, int] = {}
         self._inline: dict[int, bool] = {}
         self.inline_batches = 0
 
@@ -118,10 +130,22 @@ class ExecutorPool:
         """Hand a batch to the next free instance thread, or, if it is tiny, run it
         inline on the loop (loop side; either way ``job.on_done`` is called later,
         on the loop)."""
-        if self._inline_instance is not None and self._inline.get(job.size.bit_length(), False):
-            self._run_inline_on_loop(job)
-            return
+        if self._inline_instance is not None:
+            key = job.size.bit_length()
+            if self._inline.get(key, False) or self._probe_due(key):
+                self._run_inline_on_loop(job)
+                return
         self._jobs.put(job)
+
+    def _probe_due(self, key: int) -> bool:
+        """Whether the next batch of size class ``key``, kept on the threads, is the
+        one in :data:`_PROBE_EVERY` that runs on the loop to measure it there."""
+        costs = self._costs.get(key)
+        if costs is None or len(costs) < _COST_WINDOW or min(costs) >= _PROBE_MAX_NS:
+            return False
+        count = self._since_probe.get(key, 0) + 1
+        self._since_probe[key] = 0 if count >= _PROBE_EVERY else count
+        return count >= _PROBE_EVERY
 
     def runs_inline(self, size: int) -> bool:
         """Whether a batch of ``size`` is measured tiny enough to run on the loop."""
@@ -132,7 +156,7 @@ class ExecutorPool:
         its cost; the caller answers it (``on_done`` is not called)."""
         _run(self.engine, job, self._inline_instance)
         self.inline_batches += 1
-        self._learn(job)
+        self._learn(job, on_loop=True)
 
     def can_stage(self) -> bool:
         """Whether a batch should wait staged for a thread: not while some batch
@@ -153,27 +177,43 @@ class ExecutorPool:
         assert self._loop is not None
         _run(self.engine, job, self._inline_instance)
         self.inline_batches += 1
-        self._loop.call_soon(self._finished, job)
+        self._loop.call_soon(self._finished, job, True)
 
-    def _finished(self, job: BatchJob) -> None:
+    def _finished(self, job: BatchJob, on_loop: bool = False) -> None:
         """Every batch comes back here (on the loop): learn its cost, then answer it."""
-        self._learn(job)
+        self._learn(job, on_loop)
         job.on_done(job)
 
-    def _learn(self, job: BatchJob) -> None:
-        """Note the stack+run time of a finished batch: whether its size class runs inline."""
-        if job.error is None and self._inline_instance is not None:
-            key = job.size.bit_length()
-            costs = self._costs.get(key)
-            if costs is None:
-                costs = self._costs[key] = deque(maxlen=_COST_WINDOW)
-            costs.append(job.input_ns + job.infer_ns)
-            if len(costs) == _COST_WINDOW:
-                # The second smallest: a first run's warm-up or a preempted run
-                # does not decide, and neither do runs on a thread that waited
-                # for the GIL between torch calls while the loop was busy (most
-                # of them, at load), which is time the loop would not spend.
-                self._inline[key] = sorted(costs)[1] < INLINE_MAX_NS
+    def _learn(self, job: BatchJob, on_loop: bool) -> None:
+        """Note the stack+run time of a finished batch (``on_loop``: it ran there):
+        whether its size class runs inline."""
+        if job.error is not None or self._inline_instance is None:
+            return
+        key = job.size.bit_length()
+        cost = job.input_ns + job.infer_ns
+        if on_loop:
+            # What the loop really spends: the median of its last few runs decides;
+            # until there are that many, a tiny run puts the class on the loop (a
+            # probe) and a slow one (a cold first run) takes nothing off it.
+            runs = self._loop_costs.get(key)
+            if runs is None:
+                runs = self._loop_costs[key] = deque(maxlen=_LOOP_WINDOW)
+            runs.append(cost)
+            if len(runs) == _LOOP_WINDOW:
+                self._inline[key] = sorted(runs)[_LOOP_WINDOW // 2] < INLINE_MAX_NS
+            elif cost < INLINE_MAX_NS:
+                self._inline[key] = True
+            return
+        costs = self._costs.get(key)
+        if costs is None:
+            costs = self._costs[key] = deque(maxlen=_COST_WINDOW)
+        costs.append(cost)
+        if len(costs) == _COST_WINDOW and not self._inline.get(key, False):
+            # The second smallest: a first run's warm-up or a preempted run does
+            # not decide. Runs on a thread that waited for the GIL between torch
+            # calls while the loop was busy (most of them, at load) keep a tiny
+            # model off the loop here; the probes put it back (_probe_due).
+            self._inline[key] = sorted(costs)[1] < INLINE_MAX_NS
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Let the threads finish their current batch and exit."""
