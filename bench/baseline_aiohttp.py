@@ -63,13 +63,7 @@ def make_app(module: Any, name: str, output_name: str = "OUTPUT0") -> web.Applic
         body = orjson.dumps(out, option=orjson.OPT_SERIALIZE_NUMPY)
         return web.Response(body=body, content_type="application/json")
 
-    async def ready(request: web.Request) -> web.Response:
-        return web.Response(body=b'{"ready":true}', content_type="application/json")
-
-    app = web.Application()
-    app.router.add_post("/v2/models/{model}/infer", infer)
-    app.router.add_get("/v2/health/ready", ready)
-    return app
+    return _app(infer)
 
 
 def make_floor_app(answer: bytes) -> web.Application:
@@ -80,6 +74,12 @@ def make_floor_app(answer: bytes) -> web.Application:
     async def infer(request: web.Request) -> web.Response:
         await request.read()
         return web.Response(body=answer, content_type="application/json")
+
+    return _app(infer)
+
+
+def _app(infer: Any) -> web.Application:
+    """The app: ``infer`` on the V2 infer route, and a readiness route."""
 
     async def ready(request: web.Request) -> web.Response:
         return web.Response(body=b'{"ready":true}', content_type="application/json")
