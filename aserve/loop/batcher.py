@@ -179,14 +179,7 @@ class Batcher:
         """Whether ``req`` finds the model idle, the policy would run it alone at
         once, and the pool runs a batch of its size inline: the idle fast path."""
         assert self._inline is not None
-        if (
-            not self._alone
-            or self._pump_soon
-            or self._queued_requests
-            or self._running
-            or self._staged is not None
-            or self._free <= 0
-        ):
+        if not self._alone or self._pump_soon or not self.idle or self._free <= 0:
             return False
         n = req.batch_size
         if not self._inline.runs_inline(n):
@@ -263,9 +256,8 @@ class Batcher:
         queued = self._queued_requests + ahead_requests
         if queued >= self.max_queue_size:
             self._stats.rejected["queue_full"] += 1
-            self._echoes.arrived(
-                now, items
-            )  # sent, if not admitted: no echo (see sched.latency.Echoes)
+            # Sent, though not admitted: an arrival all the same (see Echoes).
+            self._echoes.arrived(now, items)
             raise QueueFull(
                 f"model '{self.label}' queue is full: {queued} requests waiting "
                 f"(max_queue_size {self.max_queue_size}); retry later"
@@ -653,7 +645,6 @@ class Batcher:
 
     def _answer(self, running: _Running) -> None:
         """Answer the requests of a batch its executor has run, and learn from it."""
-        job = running  # the record of a running batch is its job
         now = self._clock()
         if running is self._staged:  # it ran and ended before a pump saw it taken
             assert running.staged is not None
@@ -665,14 +656,14 @@ class Batcher:
             running.timer.cancel()
         answered = sum(r.batch_size for r in running.requests if not r.future.done())
         self._echoes.ended(now, answered, self.limits.max_delay)
-        if job.error is None:  # a failure's time (an instant refusal, say) says nothing
+        if running.error is None:  # a failure's time (an instant refusal, say) says nothing
             self.latency.observe(running.size, now - running.started)
         t0 = time.perf_counter_ns()
-        outputs, requests, stats = job.outputs, running.requests, self._stats
+        outputs, requests, stats = running.outputs, running.requests, self._stats
         if outputs is None:
-            error = InternalError(f"model '{self.label}' failed: {job.error}")
-            error.__cause__ = job.error  # what the engine raised, for callers in this process
-            log.warning("batch of %d on '%s' failed: %r", running.size, self.label, job.error)
+            error = InternalError(f"model '{self.label}' failed: {running.error}")
+            error.__cause__ = running.error  # what the engine raised, for callers in this process
+            log.warning("batch of %d on '%s' failed: %r", running.size, self.label, running.error)
             for req in requests:
                 if _fail(req, error):
                     stats.fail.add(int((now - req.arrival) * 1e9))
@@ -682,7 +673,7 @@ class Batcher:
             for req in requests:
                 n = req.batch_size
                 fut = req.future
-                req.compute_ns = job.infer_ns
+                req.compute_ns = running.infer_ns
                 if not fut.done():
                     # Views, not copies: each request gets its rows of the batch.
                     fut.set_result({k: v[offset : offset + n] for k, v in outputs.items()})
@@ -693,7 +684,7 @@ class Batcher:
                 offset += n
             if served:
                 self.margin.served(now, served, worst or None)
-        stats.record_batch(running.size, len(requests), job.input_ns, job.infer_ns,
+        stats.record_batch(running.size, len(requests), running.input_ns, running.infer_ns,
                            time.perf_counter_ns() - t0)  # fmt: skip
 
     def _expire_running(self, running: _Running) -> None:

@@ -249,9 +249,9 @@ class Echoes:
     requests clients send, those that admission control refuses included: under
     overload the admitted ones come in a wave after each end (the queue ahead of
     them is gone), admission's echo, not the clients', while what they send
-    comes regardless of the ends. Two moving means follow the windows: ``ratio``, that excess over ``k`` (about 1
-    in a closed loop, about 0 in an open one), and the return time, the offset
-    of the window's last arrival (with a mean deviation, as TCP follows its
+    comes regardless of the ends. Two moving means follow the windows:
+    ``ratio``, that excess over ``k`` (about 1 in a closed loop, about 0 in an
+    open one), and the return time, the offset of the window's last arrival (with a mean deviation, as TCP follows its
     round trip). A forecast says how many more items the last batch end is
     expected to bring (``round(k * ratio)`` less those arrived since it), when
     they are due (the mean return time) and until when they may still come

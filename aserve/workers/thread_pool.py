@@ -64,7 +64,7 @@ _COST_WINDOW = 8  # the thread runs of a size class that decide; none inline bef
 # _PROBE_MAX_NS, once per _PROBE_EVERY batches of the class).
 _PROBE_MAX_NS = 1_000_000
 _PROBE_EVERY = 64
-_LOOP_WINDOW = 3  # the loop runs of a size class whose median decides, once there are any
+_LOOP_WINDOW = 3  # the loop runs of a size class whose median decides, once that many ran
 
 
 class ExecutorPool:
@@ -172,8 +172,9 @@ class ExecutorPool:
 
     def _run_inline_on_loop(self, job: BatchJob) -> None:
         """Stack, run and check ``job`` here, on the loop's thread, with the instance
-        created there: only batch-size classes measured under :data:`INLINE_MAX_NS`
-        come here. Answered through ``call_soon``, never from inside ``submit``."""
+        created there: batch-size classes measured under :data:`INLINE_MAX_NS`
+        come here, and the probes of :meth:`_probe_due`. Answered through
+        ``call_soon``, never from inside ``submit``."""
         assert self._loop is not None
         _run(self.engine, job, self._inline_instance)
         self.inline_batches += 1
