@@ -38,6 +38,7 @@ from aserve.loop.runtimes.generation import GenerationRuntime
 from aserve.obs.fd_limit import raise_open_file_limit
 from aserve.obs.metrics import Metrics
 from aserve.obs.registration import Registration
+from aserve.workers import supervisor
 
 log = logging.getLogger("aserve.server")
 
@@ -100,6 +101,7 @@ class Server:
             for m in self.config.models
         ]
         results = await asyncio.gather(*(rt.load() for rt in runtimes), return_exceptions=True)
+        await asyncio.to_thread(supervisor.stop_early)  # started early for none of them
         failed = [
             f"model '{rt.label}' failed to load: {result}"
             for rt, result in zip(runtimes, results, strict=True)

@@ -77,7 +77,8 @@ class ServerProcess:
         want = f"worker process {index} of '{model}' is up (pid "
         for line in reversed(self.log):
             if want in line:
-                return int(line.split(want, 1)[1].split(")", 1)[0])
+                # "(pid N)", or "(pid N, started early)"
+                return int(line.split(want, 1)[1].split(")", 1)[0].split(",", 1)[0])
         raise AssertionError(f"no worker {index} of {model!r} in the log")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:

@@ -136,6 +136,24 @@ async def test_handler_infer_runs_in_a_worker_and_the_rest_in_the_server(
     assert pid in [p.pid for p in procs.spawned_children()]
 
 
+def test_the_command_line_starts_the_workers_early_and_the_server_takes_them_over(
+    procs: ServerProcess,
+) -> None:
+    """``python -m aserve`` starts each worker process before the server's own
+    imports; the pool the server makes takes that child over (same pid), since it
+    was started with what the pool would start it with."""
+    first: dict[tuple[str, str], str] = {}
+    for m in re.finditer(
+        r"worker process (\d+) of '(\w+)' is up \(pid \d+(.*?)\)", procs.log_text()
+    ):
+        first.setdefault((m[2], m[1]), m[3])
+    assert first == {
+        ("affine_proc", "0"): ", started early",
+        ("affine_proc", "1"): ", started early",
+        ("probe", "0"): ", started early",
+    }
+
+
 async def test_a_worker_that_dies_is_replaced(procs: ServerProcess) -> None:
     base = procs.base
     async with aiohttp.ClientSession() as session:

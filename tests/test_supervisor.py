@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import psutil
 import pytest
 import supervised_child
 import uvloop
@@ -21,6 +22,7 @@ from aserve.workers.supervisor import RESTART_BACKOFF_S, Supervisor, restart_del
 pytestmark = pytest.mark.timeout(60)
 
 BACKOFF = (0.25, 0.5, 1.5)
+CHILD = "aserve-test-child"  # the process name of Owner's child
 
 
 class ChildFailed(RuntimeError):
@@ -40,7 +42,7 @@ class Owner:
         self.delays: list[float] = []
         self.changed = asyncio.Event()
         self.sup = Supervisor(
-            supervised_child.main, (str(self.attempts), plan), "child 't'", "aserve-test-child",
+            supervised_child.main, (str(self.attempts), plan), "child 't'", CHILD,
             ChildFailed, self._message, self.lost.append, self._live,
             backoff=BACKOFF, sleep=sleep or self._sleep,
         )  # fmt: skip
@@ -214,3 +216,41 @@ def test_a_child_ready_before_its_pipe_is_watched_still_hands_the_stream_on(
 
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         runner.run(scenario())
+
+
+async def test_a_child_started_early_is_taken_over_by_the_first_start(tmp_path: Path) -> None:
+    o = Owner(tmp_path, ["ok"])
+    early = supervisor.start_early(supervised_child.main, (str(o.attempts), ["ok"]), CHILD)
+    assert early is not None
+    await o.sup.start()
+    try:
+        assert o.sup.pid == early
+        assert await o.echo("a") == ["echo", 0, "a"]
+        assert o.started() == 1  # no second child
+    finally:
+        await o.sup.stop()
+
+
+async def test_a_child_started_early_otherwise_is_stopped_and_replaced(tmp_path: Path) -> None:
+    o = Owner(tmp_path, ["ok"])
+    other = supervisor.start_early(supervised_child.main, (str(o.attempts), ["ok", "ok"]), CHILD)
+    assert other is not None
+    await o.sup.start()
+    try:
+        assert o.sup.pid not in (None, other)
+        assert not psutil.pid_exists(other)  # killed and reaped
+        assert (await o.echo("a"))[2] == "a"
+    finally:
+        await o.sup.stop()
+
+
+def test_children_started_early_that_nobody_takes_are_stopped(tmp_path: Path) -> None:
+    attempts = tmp_path / "attempts"
+    attempts.mkdir()
+    args = (str(attempts), ["ok"])
+    pid = supervisor.start_early(supervised_child.main, args, "aserve-test-unused")
+    assert pid is not None
+    # One child per name: a second is not started.
+    assert supervisor.start_early(supervised_child.main, args, "aserve-test-unused") is None
+    supervisor.stop_early()
+    assert not psutil.pid_exists(pid)

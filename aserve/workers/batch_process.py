@@ -45,14 +45,26 @@ from typing import Any
 import msgpack
 
 from aserve.engines.base import Engine
+from aserve.workers import supervisor
 from aserve.workers.child import WorkerSpec, batch_main
 from aserve.workers.job import BatchJob
 from aserve.workers.supervisor import Supervisor
 from aserve.workers.wire import pack_arrays, unpack_arrays
 
-__all__ = ["ProcessPool", "WorkerError", "WorkerSpec"]
+__all__ = ["ProcessPool", "WorkerError", "WorkerSpec", "start_early"]
 
 log = logging.getLogger("aserve.executor")
+
+
+def start_early(spec: WorkerSpec, instances: int, name: str) -> None:
+    """Start the worker processes of model ``name`` now, for its :class:`ProcessPool`
+    to take over if it is made with the same ``spec`` (see :func:`supervisor.start_early`)."""
+    for index in range(instances):
+        supervisor.start_early(batch_main, (spec, index), _proc_name(name, index))
+
+
+def _proc_name(name: str, index: int) -> str:
+    return f"aserve-{name}-{index}"
 
 
 class WorkerError(RuntimeError):
@@ -90,7 +102,7 @@ class ProcessPool:
         child: _Child
         sup = Supervisor(
             batch_main, (self.spec, index), f"worker process {index} of '{self.name}'",
-            f"aserve-{self.name}-{index}", WorkerError,
+            _proc_name(self.name, index), WorkerError,
             on_message=lambda payload: self._on_message(child, payload),
             on_lost=lambda reason: self._on_lost(child, reason),
             on_live=lambda: self._on_child_live(child),

@@ -20,6 +20,12 @@ model's step process (:mod:`.step_process`) live the same life, kept here:
   the child to stop, wait for it (killed after ``timeout``), and read what
   it wrote before it exited.
 
+A child may also be started before its supervisor exists
+(:func:`start_early`, from the command line before the server's own
+imports): the first spawn of a supervisor with the same process name,
+target and arguments takes that child over instead of starting one, and
+:func:`stop_early` stops the ones nobody took.
+
 After the handshake the supervisor is off the path of the jobs: the
 channel hands every message (the ``ready`` one first) to the owner's
 ``on_message`` as it came (msgpack bytes, in order), and the owner writes
@@ -58,6 +64,46 @@ def start(
     proc.start()
     child.close()  # the parent's copy: EOF must reach the server when the child exits
     return proc, parent
+
+
+# Children started before their supervisor (start_early), by process name, with
+# the target and arguments they were started with.
+_early: dict[
+    str,
+    tuple[Callable[..., None], tuple[Any, ...], multiprocessing.process.BaseProcess, Connection],
+] = {}
+
+
+def start_early(target: Callable[..., None], args: tuple[Any, ...], name: str) -> int | None:
+    """Start ``target(child_conn, *args)`` now, for the first :class:`Supervisor` of
+    process ``name`` to take over; the child's pid (None: one was started already).
+
+    A cold start's longest part is the child's own (a second interpreter
+    importing torch and loading the weights): started before the server
+    imports its frontends, it runs beside them rather than after. Only one
+    child is started per name: two versions of one model share their process
+    names, and a spawn with other arguments stops the early child and starts
+    its own.
+    """
+    if name in _early:
+        return None
+    proc, parent = start(target, args, name)
+    _early[name] = (target, args, proc, parent)
+    return proc.pid
+
+
+def stop_early() -> None:
+    """Stop every child started early that no supervisor took (blocking: off the loop)."""
+    while _early:
+        _, (_, _, proc, parent) = _early.popitem()
+        _stop_unused(proc, parent)
+
+
+def _stop_unused(proc: multiprocessing.process.BaseProcess, parent: Connection) -> None:
+    """Kill and reap a child started early that nobody took (blocking)."""
+    parent.close()
+    proc.kill()
+    proc.join(5.0)
 
 
 def reap(proc: multiprocessing.process.BaseProcess, timeout: float) -> None:
@@ -164,7 +210,8 @@ class Supervisor:
 
     async def _spawn(self) -> None:
         loop = asyncio.get_running_loop()
-        proc, parent = start(self._target, self._args, self._proc_name)
+        early = await self._take_early()
+        proc, parent = early or start(self._target, self._args, self._proc_name)
         self._proc, self.fatal = proc, ""
         self._ready = ready = loop.create_future()
         # The channel is ours before it is connected: its first message (the
@@ -196,7 +243,22 @@ class Supervisor:
             return
         self.up = True
         # The pid in the log lets an operator (and a test) find, signal or profile one child.
-        log.info("%s is up (pid %d)", self.title, proc.pid)
+        log.info("%s is up (pid %d%s)", self.title, proc.pid, ", started early" if early else "")
+
+    async def _take_early(
+        self,
+    ) -> tuple[multiprocessing.process.BaseProcess, Connection] | None:
+        """The child started early under this one's process name, if it was started
+        as this one would start it; one started otherwise is stopped."""
+        entry = _early.pop(self._proc_name, None)
+        if entry is None:
+            return None
+        target, args, proc, parent = entry
+        if target is self._target and args == self._args:
+            return proc, parent
+        log.warning("the %s started early was started otherwise: starting it again", self.title)
+        await asyncio.to_thread(_stop_unused, proc, parent)
+        return None
 
     def _on_payload(self, payload: bytes) -> None:
         """A message during the handshake (after it, they go to the owner directly)."""
