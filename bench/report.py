@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,18 @@ def kept_notes(previous_md: str) -> str:
     if start >= 0 and end > start:
         return previous_md[start : end + len(NOTES_END)]
     return f"{NOTES_BEGIN}\n_No notes yet._\n{NOTES_END}"
+
+
+def write_results(
+    folder: Path, name: str, results: dict[str, Any], render: Callable[[dict[str, Any], str], str]
+) -> Path:
+    """Write ``results-NAME.json`` and ``RESULTS-NAME.md`` (rendered, keeping the
+    previous file's notes) into ``folder``; the Markdown file's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"results-{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    md = folder / f"RESULTS-{name}.md"
+    md.write_text(render(results, kept_notes(md.read_text() if md.is_file() else "")))
+    return md
 
 
 def _f(x: float, digits: int = 1) -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import shlex
 import statistics
@@ -264,12 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "facts": facts, "concurrency": args.concurrency, "servers": servers,
         "model_alone": model_alone(times),
     }  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "results-tail.json").write_text(json.dumps(results, indent=2) + "\n")
-    md = args.out_dir / "RESULTS-tail.md"
-    notes = bench_report.kept_notes(md.read_text() if md.is_file() else "")
-    md.write_text(render(results, notes))
-    log(f"wrote {md}")
+    log(f"wrote {bench_report.write_results(args.out_dir, 'tail', results, render)}")
     return 0
 
 

@@ -19,7 +19,6 @@ Writes ``RESULTS-cold.md`` and ``results-cold.json`` into ``--out-dir``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import statistics
@@ -161,12 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     facts["wall_s"] = round(time.time() - started, 1)
     servers = {n: ({"error": errors[n]} if n in errors else _summary(samples[n])) for n in names}
     results = scrub({"facts": facts, "runs": args.runs, "servers": servers}, {cache: "<cache>"})
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "results-cold.json").write_text(json.dumps(results, indent=2) + "\n")
-    md = args.out_dir / "RESULTS-cold.md"
-    notes = bench_report.kept_notes(md.read_text() if md.is_file() else "")
-    md.write_text(render(results, notes))
-    log(f"wrote {md}")
+    log(f"wrote {bench_report.write_results(args.out_dir, 'cold', results, render)}")
     return 0
 
 
