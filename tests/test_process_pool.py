@@ -26,9 +26,11 @@ from conftest import ServerProcess, model_entry, spec, start_server, write_confi
 from helpers import frozen
 from reload_helpers import copy_handler, wait_log
 
+from aserve.commands import run
 from aserve.config import ConfigError, ModelConfig, parse_config
 from aserve.engines.python_handler import PythonHandlerEngine
 from aserve.loop.runtimes.handler import HandlerRuntime
+from aserve.workers import supervisor
 from aserve.workers.batch_process import ProcessPool, WorkerSpec
 from aserve.workers.job import BatchJob
 from aserve.workers.wire import WireError, pack_arrays, unpack_arrays
@@ -506,3 +508,18 @@ async def test_stop_answers_the_batch_a_worker_is_running(tmp_path: Path) -> Non
     late: asyncio.Future[BatchJob] = loop.create_future()
     pool.submit(_job(1.0, late.set_result))
     assert "stopping" in str((await asyncio.wait_for(late, 5)).error)
+
+
+def test_a_worker_that_cannot_be_started_early_is_left_to_the_models_own_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A spawn that fails before the server is built (no process to spare) must not
+    stop the server from starting: the model's own start spawns it as usual."""
+
+    def no_process(*args: Any) -> Any:
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(supervisor, "start", no_process)
+    config = parse_config({"models": [probe_model("probe")]})
+    run.start_workers_early(config, tmp_path)  # does not raise
+    assert "could not start the workers of 'probe' early" in caplog.text

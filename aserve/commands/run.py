@@ -58,7 +58,8 @@ def start_workers_early(config: ServerConfig, base_dir: Path) -> None:
     imports. Which models, and with what, is the runtime's choice again at
     load time: a child started for anything else is stopped and replaced, so
     a guess here can cost time but not change what runs. A builtin model is
-    built on first use by its runtime and so starts as usual.
+    built on first use by its runtime and so starts as usual, and so does
+    every model after a spawn that fails here.
     """
     for model in config.models:
         if model.executor != "process":
@@ -68,4 +69,8 @@ def start_workers_early(config: ServerConfig, base_dir: Path) -> None:
         folder = model.folder(base_dir)
         where = None if model.path is None else str(builtin.locate(model.path, folder))
         spec = batch_process.WorkerSpec(model, where, str(folder), config.gpu.model_dump())
-        batch_process.start_early(spec, model.instances, model.name)
+        try:
+            batch_process.start_early(spec, model.instances, model.name)
+        except OSError as exc:  # no process to spare now: the model's own start tries again
+            log.warning("could not start the workers of '%s' early: %s", model.name, exc)
+            return
