@@ -67,8 +67,8 @@ def start_workers_early(config: ServerConfig, base_dir: Path) -> None:
         if model.path is not None and model.path.startswith(builtin.PREFIX):
             continue
         folder = model.folder(base_dir)
-        where = None if model.path is None else str(builtin.locate(model.path, folder))
-        spec = batch_process.WorkerSpec(model, where, str(folder), config.gpu.model_dump())
+        path = None if model.path is None else builtin.locate(model.path, folder)
+        spec = batch_process.worker_spec(model, path, folder, config.gpu)
         try:
             batch_process.start_early(spec, model.instances, model.name)
         except OSError as exc:  # no process to spare now: the model's own start tries again

@@ -40,10 +40,12 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
 
+from aserve.config import GpuConfig, ModelConfig
 from aserve.engines.base import Engine
 from aserve.workers import supervisor
 from aserve.workers.child import WorkerSpec, batch_main
@@ -51,9 +53,20 @@ from aserve.workers.job import BatchJob
 from aserve.workers.supervisor import Supervisor
 from aserve.workers.wire import pack_arrays, unpack_arrays
 
-__all__ = ["ProcessPool", "WorkerError", "WorkerSpec", "start_early"]
+__all__ = ["ProcessPool", "WorkerError", "WorkerSpec", "start_early", "worker_spec"]
 
 log = logging.getLogger("aserve.executor")
+
+
+def worker_spec(
+    config: ModelConfig, path: Path | None, base_dir: Path, gpu: GpuConfig
+) -> WorkerSpec:
+    """What each worker process of ``config`` is started with: the model's config,
+    its weights' located ``path`` and folder, and the server's "gpu" block. Made
+    here for the pool and for :func:`start_early` alike, since a child started
+    early is taken over only if its spec is equal."""
+    where = None if path is None else str(path)
+    return WorkerSpec(config, where, str(base_dir), gpu.model_dump())
 
 
 def start_early(spec: WorkerSpec, instances: int, name: str) -> None:

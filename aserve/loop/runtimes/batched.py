@@ -32,7 +32,7 @@ from aserve.loop.runtimes.base import (
 )
 from aserve.obs.logs import CURRENT
 from aserve.types.tensors import numpy_dtype
-from aserve.workers.batch_process import ProcessPool, WorkerSpec
+from aserve.workers.batch_process import ProcessPool, worker_spec
 from aserve.workers.job import BatchJob
 from aserve.workers.thread_pool import ExecutorPool
 
@@ -144,8 +144,7 @@ class ModelRuntime(Runtime):
         that fails unloads the front and fails with the worker's.
         """
         c = self.config
-        where = None if path is None else str(path)
-        spec = WorkerSpec(c, where, str(self._base_dir), self.gpu.model_dump())
+        spec = worker_spec(c, path, self._base_dir, self.gpu)
         pool = ProcessPool(spec, engine, c.instances, self.name)
         workers = asyncio.ensure_future(pool.start())
         try:
