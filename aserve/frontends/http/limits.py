@@ -22,22 +22,25 @@ then. Closing for either timeout is logged as one throttled line.
 
 A connection that sends refused requests one after another (429/503: a
 client that retries the moment it is refused) has its refusals *paced*
-while the event loop lags (:meth:`ConnectionGuard.refusal_hold`): the first
-in a row is answered at once, each further one only after a hold that
-doubles from ``PACE_FIRST_S``, up to ``PACE_BUDGET_SHARE`` of the request's
-own budget (``PACE_MAX_S`` at most). Such a client's retries then cost the
-server one refusal per hold, not one per loop pass: answered at once, 256 of
-them kept the loop busy with ~4,000 refusals a second, which starved the
-model, the admitted requests and the health probes (bench/RESULTS-overload.md,
-"Retry storm"). Only while the loop lags (its recent lag at least
+(:meth:`ConnectionGuard.refusal_hold`): the first in a row is answered at
+once, each further one only after a hold that doubles from
+``PACE_FIRST_S``, up to ``PACE_BUDGET_SHARE`` of the request's own budget
+(``PACE_MAX_S`` at most). Such a client's retries then cost the server one
+refusal per hold, not one per loop pass: answered at once, 256 of them kept
+the loop busy with ~4,000 refusals a second, which starved the model, the
+admitted requests and the health probes (bench/RESULTS-overload.md, "Retry
+storm"). A run starts only while the loop lags (its recent lag at least
 ``PACE_LAG_S``): a loop that keeps up pays for its refusals easily, and an
 open-loop client, whose pool reuses the connection it was just refused on,
-gets its refusal at once. The hold is a timer: no CPU, no admission slot,
-no queue slot; the refusal was decided on arrival, and the next request on
-the connection, sent after the answer, has its whole budget. A refusal long
-after the last one's answer (``PACE_RESET_S``) starts a new run; any other
-answer on the connection halves the run. HTTP only: gRPC's own clients back
-off on RESOURCE_EXHAUSTED / UNAVAILABLE.
+gets its refusal at once. Once started, a run goes on whatever the lag: the
+pacing is what let the loop catch up, and a run dropped then let the same
+clients flood it again within a few passes (the lag-gated pace swung
+between the two; bench/RESULTS-overload.md). The hold is a timer: no CPU,
+no admission slot, no queue slot; the refusal was decided on arrival, and
+the next request on the connection, sent after the answer, has its whole
+budget. A refusal long after the last one's answer (``PACE_RESET_S``)
+starts a new run; any other answer on the connection halves the run. HTTP
+only: gRPC's own clients back off on RESOURCE_EXHAUSTED / UNAVAILABLE.
 
 Running out of file descriptors is logged too, once per burst: an event loop
 that refuses an accept with EMFILE is seen by :func:`accept_error_handler`;
@@ -189,28 +192,33 @@ class ConnectionGuard:
     def refusal_hold(self, handler: Any, budget_s: float | None) -> float:
         """Count a refusal on ``handler``'s connection; how long to hold its answer."""
         lag = 0.0 if self._loop_lag is None else self._loop_lag()
-        if lag < PACE_LAG_S:
-            # The loop keeps up: refusing at once is cheap enough, and a run counted
-            # now would hold an open-loop client's later refusals.
-            self.refused_in_a_row.pop(handler, None)
-            return 0.0
-        now = self._clock()
         run = self.refused_in_a_row.get(handler)
         if run is None:
+            if lag < PACE_LAG_S:
+                # The loop keeps up: refusing at once is cheap enough, and a run
+                # counted now would hold an open-loop client's later refusals.
+                return 0.0
+            now = self._clock()
             run = self.refused_in_a_row[handler] = [0, now]
-        elif now - run[1] >= PACE_RESET_S:
-            run[0] = 0  # the client waited before it asked again: not a storm's retry
+        else:
+            # A run goes on while the loop keeps up (its pacing is why it does).
+            now = self._clock()
+            if now - run[1] >= PACE_RESET_S:
+                if lag < PACE_LAG_S:  # the client waited, and the loop keeps up: done
+                    del self.refused_in_a_row[handler]
+                    return 0.0
+                run[0] = 0  # the client waited before it asked again: not a storm's retry
         run[0] += 1
         hold = refusal_hold_s(int(run[0]), budget_s)
         run[1] = now + hold
         if hold:
             self._paced_log.event(
-                "an HTTP connection sends refused requests one after another while the "
-                "event loop lags %.0f ms: its refusals are answered after a hold (now "
-                "%.0f ms, after %d in a row)",
-                lag * 1e3,
+                "an HTTP connection sends refused requests one after another: its "
+                "refusals are answered after a hold (now %.0f ms, after %d in a row; "
+                "the event loop's lag %.0f ms)",
                 hold * 1e3,
                 run[0],
+                lag * 1e3,
             )
         return hold
 
