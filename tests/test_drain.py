@@ -11,6 +11,7 @@ server ran and did not answer. The server's count of answered requests (its
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 import socket
@@ -164,6 +165,75 @@ def test_sigterm_under_keepalive_load_answers_every_request_read(model_dir, tmp_
     assert set(grpc_ends) <= {"grpc UNAVAILABLE", "grpc CANCELLED"}, counts
     log = server.log_text()
     assert log.index("SIGTERM received: draining") < log.index("listeners closed")
+
+
+def test_a_grpc_client_that_follows_health_loses_nothing_when_a_replica_drains(model_dir, tmp_path):
+    """The one drain gap aserve cannot close (calls grpc received but had not handed
+    to aserve when the stop began are cancelled by grpc) never opens for a client
+    that follows health: with gRPC client-side health checking (round_robin plus
+    ``healthCheckConfig`` in its service config) over two replicas, the drained one
+    turns NOT_SERVING at SIGTERM, the client sends its calls to the other, and
+    nothing is waiting in the drained one's grpc when its stop begins. Full speed
+    throughout; the drained replica's grace (the server's own timer, 5 s, the
+    default) is what the client has to read one health message."""
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for folder in folders:
+        folder.mkdir()
+    drained = start_server(_config(model_dir, folders[0], drain_grace_s=5.0))
+    other = start_server(_config(model_dir, folders[1]))
+    counts: Counter[str] = Counter()
+
+    async def scenario() -> None:
+        config = {
+            "loadBalancingConfig": [{"round_robin": {}}],
+            "healthCheckConfig": {"serviceName": ""},
+        }
+        channel = grpc.aio.insecure_channel(
+            f"ipv4:{drained.grpc_url},{other.grpc_url}",
+            options=[("grpc.service_config", json.dumps(config))],
+        )
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        request = pb.ModelInferRequest(
+            model_name="affine",
+            inputs=[pb.ModelInferRequest.InferInputTensor(
+                name="INPUT0", datatype="FP32", shape=[1, 16])],
+            raw_input_contents=[X.tobytes()],
+        )  # fmt: skip
+        stop = asyncio.Event()
+        goal, reached = [200], asyncio.Event()  # set once that many calls were answered
+
+        async def caller() -> None:
+            while not stop.is_set():
+                try:
+                    await stub.ModelInfer(request, timeout=30)
+                    counts["ok"] += 1
+                    if counts["ok"] >= goal[0]:
+                        reached.set()
+                except grpc.aio.AioRpcError as exc:
+                    counts[exc.code().name] += 1
+
+        tasks = [asyncio.create_task(caller()) for _ in range(4 * GRPC_CALLS_PER_CHANNEL)]
+        await asyncio.wait_for(reached.wait(), 60)  # full speed, on both replicas
+        drained.proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(drained.proc.wait, 60) == 0
+        goal[0] = counts["ok"] + 100  # and on after its stop, on the other replica
+        reached.clear()
+        await asyncio.wait_for(reached.wait(), 60)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        await channel.close()
+
+    try:
+        asyncio.run(scenario())
+        other.proc.send_signal(signal.SIGTERM)
+        assert other.proc.wait(60) == 0
+    finally:
+        for server in (drained, other):
+            if server.proc.poll() is None:
+                server.proc.kill()
+    assert set(counts) == {"ok"}, counts  # no call failed, none was cancelled
+    served = [_answered(server)["grpc ok"] for server in (drained, other)]
+    assert served[0] > 0 and sum(served) == counts["ok"], (served, counts)
 
 
 def test_connections_queued_in_the_backlog_at_sigterm_are_answered(model_dir, tmp_path):
