@@ -48,6 +48,14 @@ def _config(model_dir: Path, tmp_path: Path, **top: Any) -> Path:
     return write_config(tmp_path, {"grpc": {"port": 0}, "models": [entry], **top})
 
 
+def _infer_request() -> pb.ModelInferRequest:
+    """One gRPC ModelInfer request of the affine model (a row of ``X``)."""
+    tensor = pb.ModelInferRequest.InferInputTensor(name="INPUT0", datatype="FP32", shape=[1, 16])
+    return pb.ModelInferRequest(
+        model_name="affine", inputs=[tensor], raw_input_contents=[X.tobytes()]
+    )
+
+
 def _answered(server: ServerProcess) -> Counter[str]:
     """The server's own count of answered requests, from its ``stopped`` line."""
     m = re.search(r"stopped; requests answered: (.*)", server.log_text())
@@ -92,13 +100,7 @@ async def _http_client(session: aiohttp.ClientSession, url: str, tally: Tally) -
 
 
 async def _grpc_client(stub: Any, tally: Tally) -> None:
-    request = pb.ModelInferRequest(
-        model_name="affine",
-        inputs=[
-            pb.ModelInferRequest.InferInputTensor(name="INPUT0", datatype="FP32", shape=[1, 16])
-        ],
-        raw_input_contents=[X.tobytes()],
-    )
+    request = _infer_request()
     while True:
         try:
             await stub.ModelInfer(request, timeout=30)
@@ -193,12 +195,7 @@ def test_a_grpc_client_that_follows_health_loses_nothing_when_a_replica_drains(m
             options=[("grpc.service_config", json.dumps(config))],
         )
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        request = pb.ModelInferRequest(
-            model_name="affine",
-            inputs=[pb.ModelInferRequest.InferInputTensor(
-                name="INPUT0", datatype="FP32", shape=[1, 16])],
-            raw_input_contents=[X.tobytes()],
-        )  # fmt: skip
+        request = _infer_request()
         stop = asyncio.Event()
         goal, reached = [200], asyncio.Event()  # set once that many calls were answered
 
@@ -317,12 +314,7 @@ def test_grace_period_is_not_ready_but_serving(model_dir, tmp_path):
             async with aiohttp.ClientSession() as fresh, fresh.post(url, json=BODY) as r:
                 assert r.status == 200
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            request = pb.ModelInferRequest(
-                model_name="affine",
-                inputs=[pb.ModelInferRequest.InferInputTensor(
-                    name="INPUT0", datatype="FP32", shape=[1, 16])],
-                raw_input_contents=[X.tobytes()],
-            )  # fmt: skip
+            request = _infer_request()
             await stub.ModelInfer(request, timeout=10)
             assert time.monotonic() - signalled < grace_s, "the checks outlasted the grace"
             await channel.close()
