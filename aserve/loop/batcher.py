@@ -535,6 +535,12 @@ class Batcher:
         """An instance took the staged ``running``: it is a running batch now."""
         started = running.started + staged.held_s
         running.started = started
+        # Expected to end one estimate after it started, not after the prediction it
+        # was staged on: chained predictions drift ahead with every batch that ends
+        # early, and the next batch, staged for that later start, is cut by
+        # deadlines it could in fact meet (a storm's thread row ran every batch
+        # alone that way; bench/RESULTS-overload.md).
+        running.expected_end = started + self.latency.estimate(running.size)
         self._note_queue_wait(running.requests, started)
         self._running.add(running)
 
