@@ -193,21 +193,20 @@ class ConnectionGuard:
         """Count a refusal on ``handler``'s connection; how long to hold its answer."""
         lag = 0.0 if self._loop_lag is None else self._loop_lag()
         run = self.refused_in_a_row.get(handler)
+        if run is None and lag < PACE_LAG_S:
+            # The loop keeps up: refusing at once is cheap enough, and a run counted
+            # now would hold an open-loop client's later refusals. A run already
+            # counted goes on (its pacing is why the loop keeps up).
+            return 0.0
+        now = self._clock()
         if run is None:
-            if lag < PACE_LAG_S:
-                # The loop keeps up: refusing at once is cheap enough, and a run
-                # counted now would hold an open-loop client's later refusals.
-                return 0.0
-            now = self._clock()
             run = self.refused_in_a_row[handler] = [0, now]
-        else:
-            # A run goes on while the loop keeps up (its pacing is why it does).
-            now = self._clock()
-            if now - run[1] >= PACE_RESET_S:
-                if lag < PACE_LAG_S:  # the client waited, and the loop keeps up: done
-                    del self.refused_in_a_row[handler]
-                    return 0.0
-                run[0] = 0  # the client waited before it asked again: not a storm's retry
+        elif now - run[1] >= PACE_RESET_S:
+            # The client waited before it asked again: not a storm's retry.
+            if lag < PACE_LAG_S:  # and the loop keeps up: the run is over
+                del self.refused_in_a_row[handler]
+                return 0.0
+            run[0] = 0
         run[0] += 1
         hold = refusal_hold_s(int(run[0]), budget_s)
         run[1] = now + hold
