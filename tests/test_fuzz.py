@@ -43,6 +43,7 @@ import torch
 from conftest import ServerProcess, model_entry, spec, start_server, write_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from reload_helpers import copy_handler
 
 from aserve.types.tensors import numpy_dtype
@@ -1014,3 +1015,87 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(
     log = srv.log_text()
     assert "Traceback" not in log and "Error handling request" not in log, log[-5000:]
     print(f"\n{total} malformed requests, each answered 4xx: {counts}")
+
+
+# --- strings a python handler returns -------------------------------------------------
+
+# Any text, lone surrogates (what an undecodable byte becomes) and control characters too.
+HOSTILE_TEXT = st.one_of(
+    st.text(st.characters(categories=["Cs", "Cc", "Lu", "Ll", "Nd", "Po", "Zs", "So"]),
+            max_size=40),
+    st.sampled_from(["\udcff", "\ud800", "a\r\nX-Injected: 1", "\\", '"', "\n", "x" * 5000]),
+)  # fmt: skip
+HANDLER_KEYS = ("label", "metric", "help", "label_name", "answer", "text")
+
+
+@st.composite
+def handler_strings(draw: st.DrawFn) -> Req:
+    """A request that makes the ``hostile_strings`` handler label its metrics, declare
+    one, answer, or fail with what hypothesis drew; or a multipart body whose
+    headers hold any bytes."""
+    if draw(st.booleans()):
+        doc: dict[str, Any] = {}
+        for key in draw(st.lists(st.sampled_from(HANDLER_KEYS), unique=True, max_size=4)):
+            doc[key] = draw(HOSTILE_TEXT)
+        if "answer" in doc:
+            doc["answer"] = draw(st.sampled_from(["str", "json", "typed", "raise"]))
+        # The stdlib writes lone surrogates as \udXXX escapes; the handler's reader
+        # makes them lone surrogates again.
+        return Req("POST", "/predictions/strings", json.dumps(doc).encode())
+    header = st.binary(max_size=40).map(lambda b: b.translate(None, b'"\r\n'))
+    name, filename, ctype = draw(header), draw(header), draw(header)
+    body = (
+        f"--{BOUNDARY}\r\n".encode() + b'Content-Disposition: form-data; name="' + name
+        + b'"; filename="' + filename + b'"\r\nContent-Type: ' + ctype + b"\r\n\r\nx\r\n"
+        + f"--{BOUNDARY}--\r\n".encode()
+    )  # fmt: skip
+    query = draw(st.sampled_from(["", "?answer=text"]))
+    return Req("POST", "/predictions/strings" + query, body, {"Content-Type": MULTIPART})
+
+
+@pytest.fixture(scope="module")
+def strings_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("fuzz-strings")
+    copy_handler(folder, "hostile_strings")
+    model = {
+        "name": "strings", "engine": "python", "handler": "hostile_strings:HostileStrings",
+        "inputs": [spec("TEXT", "BYTES", [1])], "outputs": [spec("ECHO", "BYTES", [1])],
+    }  # fmt: skip
+    server = start_server(write_config(folder, {"models": [model]}))
+    yield server
+    server.stop()
+
+
+def test_strings_a_handler_returns_never_break_metrics_or_answers(
+    strings_srv: ServerProcess,
+) -> None:
+    """Every answer is the handler's (200), a JSON error naming the model (its own
+    failure, 500) or the multipart body (400); /metrics and the dashboard's stats
+    answer 200 after each."""
+    w = Wire(strings_srv.base)
+    try:
+
+        @fuzz(300)
+        @given(handler_strings())
+        def check(req: Req) -> None:
+            a = w.send(req)
+            assert "X-Injected" not in a.headers, f"{req!r}: {a.headers}"
+            if a.status != 200:
+                assert a.status in (400, 500) and a.content_type == "application/json", (
+                    f"{a.status} {a.content_type} for {req!r}: {a.body[:500]!r}"
+                )
+                error = orjson.loads(a.body)["error"]
+                # 400: the multipart headers cannot be read (a NUL in one, say).
+                assert ("model 'strings/1'" if a.status == 500 else "multipart body") in error
+            for path in ("/metrics", "/v2/dashboard/stats"):
+                got = w.send(Req("GET", path))
+                assert got.status == 200, f"{path} after {req!r}: {got.body[:500]!r}"
+
+        check()
+        text = w.send(Req("GET", "/metrics")).body.decode()
+        assert "aserve_handler_uploads_total" in text
+        list(text_string_to_metric_families(text))  # the exposition parses
+    finally:
+        w.close()
+    log = strings_srv.log_text()
+    assert "Traceback" not in log and "Logging error" not in log, log[-5000:]

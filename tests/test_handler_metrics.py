@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import urllib.request
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -19,11 +20,14 @@ import msgpack
 import orjson
 import pytest
 from conftest import ServerProcess, spec, start_server, write_config
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 from reload_helpers import copy_handler
 from stall_watch import watch_loop
 
 from aserve.obs.handler_metrics import MAX_SERIES, MetricSet
+from aserve.obs.metrics import handler_families
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,6 +120,29 @@ def test_a_workers_deltas_cross_as_msgpack() -> None:
     assert docs["aserve_handler_n"]["series"] == [(["a"], 3.0)]
     assert docs["aserve_handler_g"]["series"] == [([], 5.0)]
     assert docs["aserve_handler_h"]["series"] == [([], [[0, 1, 1], 10.5])]
+
+
+def test_text_that_is_not_utf8_is_replaced_as_it_enters() -> None:
+    """A lone surrogate in a label value or a help text (an undecodable byte of a
+    multipart filename, say) becomes U+FFFD: the exposition and msgpack encode it."""
+    worker, server = MetricSet("m", "1", delta=True), MetricSet("m", "1")
+    c = worker.counter("files", "Files \udcff by name.", ["name"])
+    c.labels("caf\udce9.jpg").inc()
+    c.labels(name="\ud800").inc()
+    server.apply(msgpack.unpackb(msgpack.packb(worker.drain())))
+    (doc,) = server.snapshot()
+    assert doc["help"] == "Files \ufffd by name."
+    assert doc["series"] == [(["caf\ufffd.jpg"], 1.0), (["\ufffd"], 1.0)]
+    registry = CollectorRegistry()
+
+    class Handlers(Collector):
+        def collect(self) -> Any:
+            yield from handler_families([SimpleNamespace(name="m", version="1", label="m/1",
+                                                         handler_metrics=server)])  # fmt: skip
+
+    registry.register(Handlers())
+    text = generate_latest(registry).decode()
+    assert 'aserve_handler_files_total{model="m",name="caf\ufffd.jpg",version="1"} 1.0' in text
 
 
 def test_a_conflicting_or_malformed_update_is_dropped_not_raised(

@@ -30,13 +30,19 @@ that has, besides the methods above::
 ``request.body`` is the body's bytes, or for ``multipart/form-data`` the
 list of its :class:`Part` (name, filename, content type, data);
 ``request.content_type`` is the request's Content-Type, ``request.inputs``
-is empty and ``request.parameters`` holds the query string. The arrays
+is empty and ``request.parameters`` holds the query string. Every string
+here is valid UTF-8: header bytes that are not (a filename from a client
+that writes Latin-1, say) are U+FFFD in it, and a part's
+``filename_bytes`` keeps its filename's bytes as sent. The arrays
 ``preprocess_raw`` returns are batched as ``preprocess``'s are (with other
 raw requests' and V2 requests' of the same names, dtypes and item shapes),
 so one handler serves both routes. The answer (``postprocess_raw``'s, else
 ``postprocess``'s) is sent as :func:`raw_answer` says: ``bytes`` as
 ``application/octet-stream``, ``(bytes, content_type)`` as that type, a
-``str`` as text, anything else (a dict of arrays too) as JSON.
+``str`` as text, anything else (a dict of arrays too) as JSON. A ``str``
+that is not valid UTF-8 (a lone surrogate in it), in the answer or in its
+JSON, fails the request with a message that says so, as does a content
+type that is not printable ASCII (a CR or LF in it, say).
 
 Everything in this module runs off the loop.
 """
@@ -59,6 +65,7 @@ import orjson
 from aserve.config import ModelConfig, TensorSpec
 from aserve.engines.base import Engine
 from aserve.obs.handler_metrics import MetricSet
+from aserve.types.text import first_surrogate
 
 REQUIRED_METHODS = ("load", "preprocess", "infer", "postprocess")
 RAW_METHOD = "preprocess_raw"  # a handler with it serves /predictions
@@ -97,9 +104,13 @@ class Part:
     """One part of a ``multipart/form-data`` body (a form field or a file)."""
 
     name: str | None  # the form field's name (Content-Disposition ``name``)
-    filename: str | None  # the file's name, for a file
+    filename: str | None  # the file's name, for a file; bytes not UTF-8 as U+FFFD
     content_type: str | None  # the part's own Content-Type, if it has one
     data: bytes
+    # The filename's bytes as the client wrote them (``filename="..."``; for an
+    # RFC 5987 ``filename*``, the UTF-8 of its text): for a handler that must
+    # tell apart names that differ only in bytes that are not UTF-8.
+    filename_bytes: bytes | None = None
 
 
 @dataclass
@@ -142,10 +153,22 @@ def raw_answer(value: Any, where: str) -> tuple[bytes, str]:
             raise TypeError(f"{where} returned the content type {value[1]!r}: not printable ASCII")
         return bytes(value[0]), value[1]
     if isinstance(value, str):
+        at = first_surrogate(value)
+        if at is not None:
+            raise TypeError(
+                f"{where} returned a str that is not valid UTF-8 (a lone surrogate "
+                f"{value[at]!r} at index {at}): return bytes, or replace it first "
+                "(text.encode('utf-8', 'replace'))"
+            )
         return value.encode(), "text/plain; charset=utf-8"
     try:
         body = orjson.dumps(value, default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as exc:
+        if "surrogates" in str(exc):  # orjson's word for a str that is not UTF-8
+            raise TypeError(
+                f"{where} returned JSON with a str that is not valid UTF-8 (a lone "
+                "surrogate in it): replace it first (text.encode('utf-8', 'replace'))"
+            ) from None
         raise TypeError(
             f"{where} returned what is neither bytes, (bytes, content_type), str nor JSON: {exc}"
         ) from None

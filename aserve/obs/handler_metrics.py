@@ -12,7 +12,11 @@ bounded: :data:`MAX_METRICS` metrics per model, :data:`MAX_LABELS` labels per
 metric, and :data:`MAX_SERIES` label-value combinations per metric; past that
 cap a new combination is counted under every label set to ``"other"`` (and a
 warning is logged once per metric), so a handler that labels by request id
-costs a bounded number of series, not a leak.
+costs a bounded number of series, not a leak; so does a value over
+:data:`MAX_LABEL_VALUE_CHARS`. Label values and help texts may be any text:
+a lone surrogate in one (a multipart filename's undecodable byte, say) is
+replaced by U+FFFD as it enters, so that neither the exposition nor msgpack
+to a worker can fail on it.
 
 With ``"executor": "process"`` the worker's handler has its own set in
 delta mode: updates accumulate there and :meth:`drain` hands what changed
@@ -34,6 +38,7 @@ from itertools import pairwise
 from typing import Any
 
 from aserve.obs.stats import LATENCY_BUCKETS_S
+from aserve.types.text import utf8_safe
 
 log = logging.getLogger("aserve.handler")
 
@@ -145,6 +150,7 @@ class MetricSet:
         self, name: str, kind: str, help: str, labels: Sequence[str], buckets: tuple[float, ...]
     ) -> _Family:
         check_declaration(name, kind, help, labels, buckets)
+        help = utf8_safe(help)
         labels = tuple(labels)
         with self._lock:
             family = self._families.get(name)
@@ -330,7 +336,7 @@ class _Metric:
                 f"metric '{f.name}' has {len(f.labels)} labels {list(f.labels)}, "
                 f"got {len(values)} values"
             )
-        return type(self)(self._set, f, tuple(str(v) for v in values))
+        return type(self)(self._set, f, tuple(_label_value(v) for v in values))
 
     def _values_checked(self) -> tuple[str, ...]:
         if len(self._values) != len(self._family.labels):
@@ -339,6 +345,12 @@ class _Metric:
                 "call .labels(...) first"
             )
         return self._values
+
+
+def _label_value(value: Any) -> str:
+    text = str(value)
+    # One too long counts under "other" (see _Family.key): not worth a pass over it.
+    return text if len(text) > MAX_LABEL_VALUE_CHARS else utf8_safe(text)
 
 
 class Counter(_Metric):

@@ -47,6 +47,7 @@ from aserve.errors import AserveError, InvalidArgument, TooLarge
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline
 from aserve.frontends.http.kit import RUNTIME_KEY, RouteKit, error_response
 from aserve.loop.runtimes.handler import HandlerRuntime
+from aserve.types.text import header_bytes, utf8_safe
 
 if TYPE_CHECKING:
     from aserve.context import FrontendContext
@@ -104,7 +105,7 @@ class Predictions:
             raise TooLarge(
                 f"request body is {declared} bytes, over the limit max_request_bytes {limit}"
             )
-        content_type = request.headers.get(hdrs.CONTENT_TYPE, _DEFAULT_TYPE)
+        content_type = utf8_safe(request.headers.get(hdrs.CONTENT_TYPE, _DEFAULT_TYPE))
         raw = await self._read_body(request)
         body: bytes | list[Part] = raw
         if request.content_type == "multipart/form-data":
@@ -120,9 +121,10 @@ class Predictions:
             runtime.default_timeout_s,
             self._max_timeout_s,
         )
-        answer, answer_type = await runtime.infer_raw(
-            body, content_type, timeout, None, dict(request.query)
-        )
+        query: dict[str, str] = {}
+        for k, v in request.query.items():  # a repeated name: its first value, as dict() takes
+            query.setdefault(utf8_safe(k), utf8_safe(v))
+        answer, answer_type = await runtime.infer_raw(body, content_type, timeout, None, query)
         return web.Response(body=answer, headers={hdrs.CONTENT_TYPE: answer_type})
 
 
@@ -153,12 +155,19 @@ async def _parse(content_type: str, body: bytes) -> list[Part]:
                 chunks.append(chunk)
             # Parsed once: aiohttp's name and filename properties parse it each.
             _, params = parse_content_disposition(item.headers.get(hdrs.CONTENT_DISPOSITION))
+            name = content_disposition_filename(params, "name")
+            filename = content_disposition_filename(params, "filename")
+            ctype = item.headers.get(hdrs.CONTENT_TYPE)
+            # Header bytes that are not UTF-8 came as lone surrogates: the handler
+            # gets them as U+FFFD (text it can echo, log or label a metric with),
+            # the filename's bytes as sent apart.
             parts.append(
                 Part(
-                    content_disposition_filename(params, "name"),
-                    content_disposition_filename(params, "filename"),
-                    item.headers.get(hdrs.CONTENT_TYPE),
+                    None if name is None else utf8_safe(name),
+                    None if filename is None else utf8_safe(filename),
+                    None if ctype is None else utf8_safe(ctype),
                     b"".join(chunks),
+                    None if filename is None else header_bytes(filename),
                 )
             )
     except AserveError:

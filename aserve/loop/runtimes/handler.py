@@ -46,6 +46,7 @@ from aserve.loop.runtimes.batched import ModelRuntime
 from aserve.loop.runtimes.handler_threads import Spread, TimedStage, raw_post_threadsafe
 from aserve.obs.handler_metrics import MetricSet
 from aserve.types.tensors import numpy_dtype, shape_fits, shape_text
+from aserve.types.text import first_surrogate
 
 # The last part of a request's time budget that its answer needs to reach the client.
 ANSWER_SLACK = 0.05
@@ -396,6 +397,13 @@ def _as_output(label: str, spec: TensorSpec, value: Any, batch_size: int) -> np.
         items = []
         for x in given.reshape(-1):
             if isinstance(x, str):
+                at = first_surrogate(x)
+                if at is not None:
+                    raise InternalError(
+                        f"model '{label}' output '{spec.name}' (BYTES) holds a str that is "
+                        f"not valid UTF-8 (a lone surrogate {x[at]!r} at index {at}); "
+                        "use bytes for what is not text"
+                    )
                 x = x.encode()
             elif not isinstance(x, bytes):
                 raise InternalError(
