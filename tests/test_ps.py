@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -137,10 +138,10 @@ def test_entries_of_dead_or_reused_pids_are_skipped_and_deleted(tmp_path: Path) 
     (tmp_path / f".{gone.pid}.tmp").write_text("{")  # a write cut short by a kill
     (tmp_path / "notes.txt").write_text("not ours")
 
-    assert runtime_dir.live_entries(tmp_path) == [entry]
+    assert runtime_dir.live_entries(tmp_path) == runtime_dir.Listing([entry], [])
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{me}.json", "notes.txt"]
     runtime_dir.remove_entry(tmp_path, me)
-    assert runtime_dir.live_entries(tmp_path) == []
+    assert runtime_dir.live_entries(tmp_path).entries == []
 
 
 def test_runtime_dir_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -185,3 +186,150 @@ def test_a_server_is_listed_while_its_models_load(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+# --- a runtime directory others could write to, and files that are not entries -------
+
+
+def ps_bounded(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``aserve ps`` with its memory capped: a runtime directory's files must not make it
+    read without end (a link to /dev/zero) or wait for ever (a FIFO)."""
+
+    def cap_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    env = {**os.environ, "ASERVE_RUNTIME_DIR": str(folder)}
+    return subprocess.run(
+        [sys.executable, "-m", "aserve", "ps", *args], capture_output=True, text=True,
+        timeout=60, env=env, preexec_fn=cap_memory,
+    )  # fmt: skip
+
+
+def private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700)
+    path.chmod(0o700)  # whatever the umask
+    return path
+
+
+def test_a_planted_symlink_is_replaced_never_followed(tmp_path: Path) -> None:
+    run_dir = private_dir(tmp_path / "run")
+    victim, victim2 = tmp_path / "victim", tmp_path / "victim2"
+    victim.write_text("precious\n")
+    victim2.write_text("precious too\n")
+    me = os.getpid()
+    (run_dir / f".{me}.tmp").symlink_to(victim)  # where the entry is written first
+    (run_dir / f"{me}.json").symlink_to(victim2)  # and the name it is renamed to
+    entry = {"pid": me, "proc_start": runtime_dir.process_start_time(me), "started_at": 0.0}
+
+    runtime_dir.write_entry(run_dir, me, entry)
+
+    assert victim.read_text() == "precious\n" and victim2.read_text() == "precious too\n"
+    written = run_dir / f"{me}.json"
+    assert not written.is_symlink() and json.loads(written.read_text()) == entry
+    assert written.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in run_dir.iterdir()) == [f"{me}.json"]
+
+
+def test_a_runtime_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    me = os.getpid()
+    entry = {"pid": me, "proc_start": runtime_dir.process_start_time(me), "started_at": 0.0}
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for mode in (0o777, 0o1777, 0o770):  # world, world with the sticky bit, group
+        shared.chmod(mode)
+        with pytest.raises(runtime_dir.UnsafeRuntimeDir) as refused:
+            runtime_dir.write_entry(shared, me, entry)
+        assert str(refused.value) == (
+            f"runtime directory {shared} may be written by other users (mode {mode:04o}): "
+            f"run chmod 700 {shared}, or set ASERVE_RUNTIME_DIR to a directory of your own "
+            "with mode 700"
+        )
+        done = ps_bounded(shared)
+        assert done.returncode == 1 and done.stdout == ""
+        assert done.stderr == f"aserve ps: error: {refused.value}\n"
+    assert list(shared.iterdir()) == []
+
+    # A link to a private directory is not taken for the directory itself.
+    target = private_dir(tmp_path / "target")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(runtime_dir.UnsafeRuntimeDir, match=f"{link} is a symlink: set"):
+        runtime_dir.write_entry(link, me, entry)
+    assert "is a symlink" in ps_bounded(link).stderr and list(target.iterdir()) == []
+
+    if os.geteuid() == 0:  # only root can give a directory to another user
+        theirs = private_dir(tmp_path / "theirs")
+        os.chown(theirs, 4321, 4321)
+        with pytest.raises(runtime_dir.UnsafeRuntimeDir, match="belongs to uid 4321, not to"):
+            runtime_dir.write_entry(theirs, me, entry)
+        assert "belongs to uid 4321" in ps_bounded(theirs).stderr
+
+
+def test_a_server_does_not_register_in_a_directory_others_can_write(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    srv = start_server(
+        None,
+        extra_env={"ASERVE_RUNTIME_DIR": str(shared)},
+        argv=["serve", str(model_dir / "pair.pt2"), "--port", "0", "--no-grpc"],
+    )
+    try:
+        want = f"cannot register in {shared} (aserve ps): runtime directory {shared} may be written"
+        deadline = time.monotonic() + 30
+        while want not in srv.log_text():
+            assert time.monotonic() < deadline, srv.log_text()
+            time.sleep(0.05)
+        assert list(shared.iterdir()) == []  # nothing written there, and serving goes on
+        with urllib.request.urlopen(srv.base + "/v2/health/ready", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        assert srv.stop(signal.SIGTERM) == 0
+
+
+def test_ps_skips_files_that_are_not_entries_and_says_so(tmp_path: Path) -> None:
+    run_dir = private_dir(tmp_path / "run")
+    me = os.getpid()
+    entry = {"pid": me, "proc_start": runtime_dir.process_start_time(me), "started_at": 0.0,
+             "models": [{"name": "m", "version": "1", "state": "READY"}]}  # fmt: skip
+    runtime_dir.write_entry(run_dir, me, entry)
+    # Named like entries of running processes (pid 1 and this test's parent run for
+    # as long as the test), so none is taken for a stale entry and deleted.
+    parent = os.getppid()
+    os.mkfifo(run_dir / "1.json")  # opening it to read would wait for a writer
+    (run_dir / f"{parent}.json").symlink_to("/dev/zero")  # endless
+    big = run_dir / "2.json"
+    with big.open("wb") as f:
+        f.truncate(runtime_dir.MAX_ENTRY_BYTES + 1)
+    done = ps_bounded(run_dir, "--json")
+    assert done.returncode == 0, done.stderr
+    listed = json.loads(done.stdout)
+    assert [{k: v for k, v in e.items() if k != "uptime_s"} for e in listed] == [entry]
+    assert sorted(done.stderr.splitlines()) == sorted(
+        [
+            f"aserve ps: skipped {run_dir}/1.json: not a regular file (a FIFO)",
+            f"aserve ps: skipped {run_dir}/2.json: {runtime_dir.MAX_ENTRY_BYTES + 1} bytes, "
+            f"over the {runtime_dir.MAX_ENTRY_BYTES} an entry may have",
+            f"aserve ps: skipped {run_dir}/{parent}.json: a symlink, not an entry",
+        ]
+    )
+    # JSON of the wrong shape, in the entries of running processes: skipped, not a crash.
+    for path in (run_dir / "1.json", run_dir / f"{parent}.json"):
+        path.unlink()
+    (run_dir / "1.json").write_text(json.dumps({**entry, "pid": 1, "models": 5}))
+    (run_dir / f"{parent}.json").write_bytes(b"[1, 2]")
+    done = ps_bounded(run_dir)
+    assert done.returncode == 0, done.stderr
+    assert "m:1 READY" in done.stdout
+    assert sorted(done.stderr.splitlines()) == sorted([
+        f"aserve ps: skipped {run_dir}/1.json: not an entry: models: Input should be a valid list",
+        f"aserve ps: skipped {run_dir}/{parent}.json: not an entry: a JSON list, not an object",
+        f"aserve ps: skipped {run_dir}/2.json: {runtime_dir.MAX_ENTRY_BYTES + 1} bytes, "
+        f"over the {runtime_dir.MAX_ENTRY_BYTES} an entry may have",
+    ])  # fmt: skip
+    # What was skipped is left there: it is no stale entry of a server that is gone.
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(
+        ["1.json", "2.json", f"{parent}.json", f"{me}.json"]
+    )

@@ -2,7 +2,10 @@
 
 Reads the entries servers keep in the runtime directory (see
 :mod:`aserve.obs.registration`); stale ones, of servers killed without a
-chance to remove theirs, are skipped and deleted.
+chance to remove theirs, are skipped and deleted. Files there that are not
+entries (not a regular file, too large, a symlink, not an entry's JSON) are
+skipped with one line each on stderr; a runtime directory that is not this
+user's private one is refused (exit 1, naming the fix).
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    entries = runtime_dir.live_entries(runtime_dir.runtime_dir())
+    try:
+        listing = runtime_dir.live_entries(runtime_dir.runtime_dir())
+    except OSError as exc:  # UnsafeRuntimeDir says the fix; others name the file
+        print(f"aserve ps: error: {exc}", file=sys.stderr)
+        return 1
+    for line in listing.skipped:
+        print(f"aserve ps: {line}", file=sys.stderr)
+    entries = listing.entries
     now = time.time()
     for e in entries:
         e["uptime_s"] = round(max(0.0, now - float(e.get("started_at", now))), 1)
