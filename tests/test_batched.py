@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import shlex
@@ -276,6 +277,33 @@ def test_a_call_past_its_timeout_raises_timeout_in_the_caller_running_or_queued(
         gate.release.set()
         assert batched(5) == 6  # the held batch ends; later calls are served
         assert batched.stats()["timed_out"] == 4
+
+
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_before_it_is_queued():
+    calls: list[int] = []
+
+    def record(xs: list[int]) -> list[int]:
+        calls.extend(xs)
+        return xs
+
+    for bad in (math.inf, math.nan, 0, -5, True, "100"):
+        with pytest.raises(ValueError, match=re.escape(f"(got {bad!r})")):
+            Batched(record, timeout_ms=bad)
+    with Batched(record) as batched:
+        for bad in (math.inf, -math.inf, math.nan, 0, -1.0, True, "100"):
+            want = f"timeout_ms must be a finite positive number (got {bad!r})"
+            with pytest.raises(ValueError, match=re.escape(want)):
+                batched(1, timeout_ms=bad)
+            with pytest.raises(ValueError, match=re.escape(want)):
+                batched.submit(2, timeout_ms=bad)
+            with pytest.raises(ValueError, match=re.escape(want)):
+                asyncio.run(batched.acall(3, timeout_ms=bad))
+        assert calls == [] and batched.stats()["inference_count"] == 0  # nothing queued
+        # Finite, however large: the call waits as long as a thread can, and is answered.
+        assert batched(4, timeout_ms=1e308) == 4
+        assert batched.submit(5, timeout_ms=10**400).result(30) == 5
+        assert asyncio.run(batched.acall(6, timeout_ms=1e308)) == 6
+        assert calls == [4, 5, 6]
 
 
 def test_a_function_that_raises_fails_only_its_batch():

@@ -1,11 +1,14 @@
-"""What a request's timeout parameters say, in seconds (pure, no I/O; codecs layer).
+"""What a timeout may be, and what a request's timeout parameters say, in seconds
+(pure, no I/O; codecs layer).
 
-A body parameter ``timeout_ms`` (aserve's spelling) or ``timeout``
-(microseconds, Triton's) must be a finite positive number; anything else
-(``inf``, ``NaN``, ``0``, ``-1``, ``true``, text) is refused with
-:class:`InvalidArgument` naming the parameter. Which of the request's
-timeouts then applies is the frontends' one rule,
-:func:`aserve.frontends.common.resolve_deadline`.
+:func:`as_timeout` is the one rule of what a timeout is: a finite positive
+number. The server applies it to the ``aserve-timeout-ms`` header and to the
+body parameters ``timeout_ms`` (aserve's spelling) and ``timeout``
+(microseconds, Triton's), refusing anything else (``inf``, ``NaN``, ``0``,
+``-1``, ``true``, text) with :class:`InvalidArgument` naming where it came
+from; ``aserve.Batched`` applies it to its ``timeout_ms`` arguments, before
+a call is queued. Which of a request's timeouts then applies is the
+frontends' rule, :func:`aserve.frontends.common.resolve_deadline`.
 """
 
 from __future__ import annotations
@@ -30,15 +33,22 @@ def parameter_timeout_s(params: Mapping[str, Any] | None) -> float | None:
     return min(asked, default=None)
 
 
-def _positive(value: Any, name: str) -> float:
+def as_timeout(value: Any) -> float | None:
+    """``value`` as a float if it is a finite number > 0, else None (``inf``, ``NaN``,
+    ``0``, negatives, ``True``, anything that is not a number).
+
+    An int of any size is finite (taken as at most ``2**1000``): the caller's cap
+    (``limits.max_timeout_ms`` on the server) bounds it."""
     # bool is an int to Python, but true is no number of milliseconds.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        number = math.nan
-    elif isinstance(value, int):
-        number = float(min(value, 2**1000))  # finite, however large: the cap bounds it
-    else:
-        number = value
-    if not (math.isfinite(number) and number > 0):
+        return None
+    number = float(min(value, 2**1000)) if isinstance(value, int) else value
+    return number if math.isfinite(number) and number > 0 else None
+
+
+def _positive(value: Any, name: str) -> float:
+    number = as_timeout(value)
+    if number is None:
         raise InvalidArgument(
             f"parameter '{name}' must be a finite positive number (got {value!r})"
         )

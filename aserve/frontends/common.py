@@ -27,13 +27,13 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable
 from time import perf_counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
+from aserve.codecs.timeouts import as_timeout
 from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument, QueueFull
 from aserve.obs.logs import CURRENT, RequestInfo, access_record
 from aserve.obs.metrics import OK
@@ -167,10 +167,10 @@ def _header_s(value: str | None) -> float | None:
     if value is None:
         return None
     try:
-        ms = float(value)
+        ms = as_timeout(float(value))
     except ValueError:
-        ms = math.nan
-    if not (math.isfinite(ms) and ms > 0):
+        ms = None
+    if ms is None:
         shown = value[:40].encode("ascii", "backslashreplace").decode()  # junk stays one line
         raise InvalidArgument(
             f"header {TIMEOUT_HEADER}: '{shown}' must be a finite positive number of ms"

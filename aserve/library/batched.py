@@ -29,6 +29,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from aserve.codecs.timeouts import as_timeout
 from aserve.config import BatchingConfig
 from aserve.errors import AserveError, DeadlineExceeded, InternalError, Unavailable
 from aserve.library.core import Core
@@ -45,6 +46,9 @@ _DEVICE = re.compile(r"cpu|cuda|cuda:\d+")
 # before it gives up on the loop itself (the batcher answers every call by its
 # deadline; this only bounds a wait on a loop that is gone).
 _WATCHDOG_S = 5.0
+# The longest a call may wait: what a thread can wait for, less the watchdog's
+# margin (about 292 years; a larger finite timeout_ms means "as long as can be").
+_LONGEST_S = threading.TIMEOUT_MAX - _WATCHDOG_S
 
 
 class Timeout(DeadlineExceeded, TimeoutError):
@@ -98,6 +102,7 @@ class Batched(Generic[In, Out]):
     ) -> None:
         devices = [devices] if isinstance(devices, str) else list(devices)
         _check_target(fn, workers, devices)
+        _check_timeout_ms(timeout_ms)
         self.name = name or (fn if isinstance(fn, str) else _name_of(fn))
         self._batching = BatchingConfig(
             max_batch_size=max_batch_size, max_delay_ms=max_delay_ms,
@@ -310,10 +315,10 @@ class Batched(Generic[In, Out]):
             self.close(timeout=10.0)
 
     def _timeout_s(self, timeout_ms: float | None) -> float:
-        ms = self._batching.timeout_ms if timeout_ms is None else timeout_ms
-        if not ms > 0:
-            raise ValueError(f"timeout_ms must be > 0, got {timeout_ms!r}")
-        return ms / 1000.0
+        """The call's timeout in seconds; ValueError, before anything is queued, for a
+        ``timeout_ms`` that is not a finite positive number (the server's rule)."""
+        ms = self._batching.timeout_ms if timeout_ms is None else _check_timeout_ms(timeout_ms)
+        return min(ms / 1000.0, _LONGEST_S)
 
     def _encode(self, item: Any) -> tuple[dict[str, np.ndarray], tuple[Any, ...]]:
         """The call as the batcher's one-item tensor and its shape key (in the caller)."""
@@ -385,6 +390,13 @@ def _check_target(fn: Any, workers: int, devices: list[str]) -> None:
         raise ValueError(f"cannot find module '{module}' of '{fn}': {exc}") from None
     if found is None:
         raise ValueError(f"cannot find module '{module}' of '{fn}' on sys.path")
+
+
+def _check_timeout_ms(timeout_ms: Any) -> float:
+    ms = as_timeout(timeout_ms)
+    if ms is None:
+        raise ValueError(f"timeout_ms must be a finite positive number (got {timeout_ms!r})")
+    return ms
 
 
 def _name_of(fn: Any) -> str:
