@@ -27,6 +27,7 @@ from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 from aserve.config import AuthConfig, ConfigError, parse_config
 from aserve.frontends.auth import load_api_keys
 from aserve.frontends.http.openapi import build_document
+from aserve.frontends.roles import Role
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -130,7 +131,8 @@ def test_api_keys_come_from_env_and_file(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv(KEYS_ENV, "env-key,")
     keys = load_api_keys(AuthConfig(api_keys_env=KEYS_ENV, api_keys_file="keys.txt"), tmp_path)
     assert len(keys) == 2
-    assert keys.check("Bearer file-key") is None and keys.check("Bearer env-key") is None
+    assert keys.check("Bearer file-key") is Role.INFERENCE
+    assert keys.check("Bearer env-key") is Role.INFERENCE
     assert keys.check("Bearer ") == "invalid API key"
     monkeypatch.delenv(KEYS_ENV)
     with pytest.raises(ValueError, match=f"environment variable {KEYS_ENV} is not set"):

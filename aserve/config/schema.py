@@ -387,14 +387,22 @@ class AuthConfig(_Frozen):
     """API keys that every request must carry (HTTP ``Authorization: Bearer KEY``,
     gRPC metadata ``authorization: Bearer KEY``), but those to ``open_paths``.
 
-    The keys never appear in the config: they come from the environment
-    variable ``api_keys_env`` (comma-separated) and/or the file
-    ``api_keys_file`` (one per line, ``#`` comments; relative to the config's
-    folder). Both are read at startup.
+    Two roles: inference keys (``api_keys_*``) infer and read metadata; admin
+    keys (``admin_keys_*``) may do that too, and alone may use the model
+    repository API and the config routes. The keys never appear in the
+    config: each role's come from an environment variable (comma-separated)
+    and/or a file (one per line, ``#`` comments; relative to the config's
+    folder), read at startup.
     """
 
     api_keys_env: Annotated[str | None, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = None
+    """The environment variable holding the inference keys."""
     api_keys_file: str | None = None
+    """The file holding the inference keys."""
+    admin_keys_env: Annotated[str | None, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")] = None
+    """The environment variable holding the admin keys (none: admin routes answer 403)."""
+    admin_keys_file: str | None = None
+    """The file holding the admin keys."""
     open_paths: list[str] = [
         "/v2/health/live",
         "/v2/health/ready",
@@ -407,8 +415,16 @@ class AuthConfig(_Frozen):
 
     @model_validator(mode="after")
     def _some_source(self) -> AuthConfig:
-        if self.api_keys_env is None and self.api_keys_file is None:
-            raise ValueError("set api_keys_env and/or api_keys_file (keys never go in the config)")
+        sources = (self.api_keys_env, self.api_keys_file, self.admin_keys_env, self.admin_keys_file)
+        if all(s is None for s in sources):
+            raise ValueError(
+                "set api_keys_env and/or api_keys_file, for admin keys admin_keys_env and/or "
+                "admin_keys_file (keys never go in the config)"
+            )
+        if self.admin_keys_env is not None and self.admin_keys_env == self.api_keys_env:
+            raise ValueError("admin_keys_env must name another variable than api_keys_env")
+        if self.admin_keys_file is not None and self.admin_keys_file == self.api_keys_file:
+            raise ValueError("admin_keys_file must name another file than api_keys_file")
         return self
 
 

@@ -6,9 +6,11 @@ With ``"auth"`` in the config every request must carry one of the keys:
 ``auth.open_paths`` (health and /metrics by default) are served without one;
 over gRPC the health service is open when a health path is. A request
 without a key, or with a wrong one, is answered 401 (``WWW-Authenticate:
-Bearer``) / ``UNAUTHENTICATED`` before anything else happens. Without
-``"auth"`` nothing is installed: the request path is unchanged. The HTTP
-middleware is :mod:`aserve.frontends.http.auth`, the gRPC interceptor
+Bearer``) / ``UNAUTHENTICATED`` before anything else happens; one whose key
+is valid but of a role the route does not allow (an inference key on an
+admin route, :mod:`aserve.frontends.roles`), 403 / ``PERMISSION_DENIED``.
+Without ``"auth"`` nothing is installed: the request path is unchanged. The
+HTTP middleware is :mod:`aserve.frontends.http.auth`, the gRPC interceptor
 :mod:`aserve.frontends.grpc.auth`; both check with :class:`ApiKeys`.
 
 Keys are compared in constant time, each against every configured key.
@@ -23,6 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from aserve.config import AuthConfig
+from aserve.frontends.roles import Role, is_admin_path
 from aserve.obs.log_throttle import Throttled
 
 log = logging.getLogger("aserve.auth")
@@ -36,16 +39,21 @@ _refusals = Throttled(log, logging.WARNING)
 
 
 class ApiKeys:
-    """The accepted keys; :meth:`check` says why a credential is refused, or None."""
+    """The accepted keys and their roles; :meth:`check` says a credential's role, or why
+    it is refused."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._keys = tuple(k.encode() for k in keys)
+    def __init__(self, keys: Iterable[str], admin_keys: Iterable[str] = ()) -> None:
+        self._keys = tuple((k.encode(), Role.INFERENCE) for k in keys) + tuple(
+            (k.encode(), Role.ADMIN) for k in admin_keys
+        )
+        self.has_admin_keys = any(role is Role.ADMIN for _, role in self._keys)
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def check(self, authorization: str | None) -> str | None:
-        """Why ``authorization`` (an ``Authorization`` value) is refused, or None if accepted."""
+    def check(self, authorization: str | None) -> Role | str:
+        """The role of the key ``authorization`` (an ``Authorization`` value) carries,
+        or why it is refused (a str)."""
         if not authorization:
             return _MISSING
         # Undecodable bytes arrive as lone surrogates, which str.encode refuses.
@@ -54,43 +62,67 @@ class ApiKeys:
         if authorization[: len(_BEARER)].lower() != _BEARER:
             return "the authorization must be 'Bearer <key>'"
         given = authorization[len(_BEARER) :].strip().encode()
-        ok = False
-        for key in self._keys:  # no early exit: the time does not tell which key matched
-            ok |= hmac.compare_digest(given, key)
-        return None if ok else _WRONG
+        inference = admin = False
+        for key, role in self._keys:  # no early exit: the time does not tell which key matched
+            match = hmac.compare_digest(given, key)
+            inference |= match and role is Role.INFERENCE
+            admin |= match and role is Role.ADMIN
+        if admin:
+            return Role.ADMIN
+        return Role.INFERENCE if inference else _WRONG
 
 
 def load_api_keys(auth: AuthConfig, base_dir: Path) -> ApiKeys:
-    """Read the keys from the environment variable and/or the file; ValueError says what is wrong."""
-    keys: list[str] = []
-    if auth.api_keys_env is not None:
-        value = os.environ.get(auth.api_keys_env)
-        if value is None:
+    """Read the inference keys and the admin keys from their environment variables and/or
+    files; ValueError says what is wrong."""
+    for path in auth.open_paths:
+        if is_admin_path(path):
             raise ValueError(
-                f"auth.api_keys_env: environment variable {auth.api_keys_env} is not set"
+                f"auth.open_paths: {path} is an admin route, which always needs an admin "
+                "key: remove it from open_paths"
             )
+    keys = _read_keys(auth.api_keys_env, auth.api_keys_file, "api_keys", base_dir)
+    admin = _read_keys(auth.admin_keys_env, auth.admin_keys_file, "admin_keys", base_dir)
+    if set(keys) & set(admin):
+        raise ValueError(
+            f"auth: {len(set(keys) & set(admin))} key(s) are both inference and admin keys "
+            f"(in {_sources(auth.api_keys_env, auth.api_keys_file)} and "
+            f"{_sources(auth.admin_keys_env, auth.admin_keys_file)}): give admins keys of "
+            "their own"
+        )
+    return ApiKeys(keys, admin)
+
+
+def _read_keys(env: str | None, file: str | None, field: str, base_dir: Path) -> list[str]:
+    """The keys of one role: none when neither source is configured, else at least one."""
+    keys: list[str] = []
+    if env is not None:
+        value = os.environ.get(env)
+        if value is None:
+            raise ValueError(f"auth.{field}_env: environment variable {env} is not set")
         keys += [k.strip() for k in value.split(",") if k.strip()]
-    if auth.api_keys_file is not None:
-        path = base_dir / auth.api_keys_file
+    if file is not None:
+        path = base_dir / file
         try:
             text = path.read_text()
         except OSError as exc:
-            raise ValueError(f"auth.api_keys_file: cannot read {path}: {exc.strerror}") from None
+            raise ValueError(f"auth.{field}_file: cannot read {path}: {exc.strerror}") from None
         for line in text.splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
                 keys.append(line)
-    if not keys:
-        raise ValueError("auth: no API keys found in " + _sources(auth))
-    return ApiKeys(keys)
+    if not keys and (env is not None or file is not None):
+        what = "admin keys" if field == "admin_keys" else "API keys"
+        raise ValueError(f"auth: no {what} found in " + _sources(env, file))
+    return keys
 
 
-def _sources(auth: AuthConfig) -> str:
+def _sources(env: str | None, file: str | None) -> str:
     names = []
-    if auth.api_keys_env is not None:
-        names.append(f"${auth.api_keys_env}")
-    if auth.api_keys_file is not None:
-        names.append(auth.api_keys_file)
+    if env is not None:
+        names.append(f"${env}")
+    if file is not None:
+        names.append(file)
     return " and ".join(names)
 
 

@@ -2,7 +2,9 @@
 (frontends layer; the interceptor runs on the loop, before every call).
 
 A call without a valid ``authorization: Bearer KEY`` metadata entry ends
-``UNAUTHENTICATED``; the health service is open when a health path is in
+``UNAUTHENTICATED``; one with a valid key of a role its method does not allow
+(:mod:`aserve.frontends.roles`), ``PERMISSION_DENIED`` naming the role it
+needs. The health service is open when a health path is in
 ``auth.open_paths`` (see :mod:`aserve.frontends.auth`).
 """
 
@@ -16,6 +18,7 @@ import grpc
 
 from aserve.config import TlsConfig
 from aserve.frontends.auth import ApiKeys, refused
+from aserve.frontends.roles import Role, forbidden, grpc_role
 
 _HEALTH_SERVICE = "/grpc.health.v1.Health/"
 
@@ -40,20 +43,27 @@ class GrpcAuthInterceptor(grpc.aio.ServerInterceptor):
                 # latin-1 decodes any bytes; check() then refuses what is not ASCII.
                 authorization = value if isinstance(value, str) else bytes(value).decode("latin-1")
                 break
-        why = self._keys.check(authorization)
-        if why is None:
-            return await continuation(details)
-        refused("refused a gRPC call of %.100r without a valid API key: %s",
-                        details.method, why)  # fmt: skip
+        held = self._keys.check(authorization)
         handler = await continuation(details)
-        return _refusing(handler, why)
+        if isinstance(held, Role):
+            needed = grpc_role(details.method, served=handler is not None)
+            if held.allows(needed):
+                return handler
+            why = forbidden(details.method[:200], needed, self._keys.has_admin_keys)
+            refused("refused a gRPC call: %s", why)
+            return _refusing(handler, grpc.StatusCode.PERMISSION_DENIED, why)
+        refused("refused a gRPC call of %.100r without a valid API key: %s",
+                        details.method, held)  # fmt: skip
+        return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, held)
 
 
-def _refusing(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
+def _refusing(
+    handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that ends the call with ``code``."""
 
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     if handler is None:  # an unknown method: refused all the same, not revealed
         return grpc.unary_unary_rpc_method_handler(refuse)
