@@ -32,7 +32,8 @@ def http_middleware(keys: ApiKeys, open_paths: Iterable[str]) -> Any:
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         held = keys.check(request.headers.get("Authorization"))
-        template = request.match_info.route.resource.canonical
+        resource = request.match_info.route.resource  # None: aiohttp's own answer
+        template = resource.canonical if resource is not None else NOT_FOUND_ROUTE
         needed = http_role(template, request.path)
         if request.path in open_set and needed is Role.INFERENCE:
             response = await handler(request)
