@@ -84,8 +84,12 @@ def _tensorrt_tensors(path: Path, device: str) -> tuple[list[ModelTensor], list[
 def _export_tensors(path: Path, max_batch_size: int) -> tuple[list[ModelTensor], list[ModelTensor]]:
     import torch
 
+    from aserve.engines.export_file import UnsafeProgram, load_exported_program
+
     try:
-        program = torch.export.load(str(path))
+        program = load_exported_program(path)
+    except UnsafeProgram:
+        raise
     except Exception as exc:  # a truncated or foreign file; torch raises many kinds
         raise ValueError(f"torch.export cannot load {path.name}: {exc}") from None
     by_torch = {getattr(torch, t): v2 for t, v2 in _TORCH_DATATYPES.items() if hasattr(torch, t)}

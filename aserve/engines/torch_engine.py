@@ -3,10 +3,13 @@
 Layer: ``engines``; runs on executor threads or in a worker process (and, on
 the CPU, tiny batches inline on the loop's thread: ``inline_capable``).
 
-Neither format unpickles arbitrary objects. On CUDA every instance thread
-runs on its own ``torch.cuda.Stream`` and stages inputs and outputs through
-pinned host buffers with non-blocking copies, so instances overlap copies
-and compute instead of serializing on the default stream.
+Neither format runs code from the file: TorchScript loads through its own
+unpickler, which knows no Python globals; a ``.pt2`` through
+:mod:`aserve.engines.export_file`, which refuses what torch's own loader
+would run. On CUDA every instance thread runs on its own ``torch.cuda.Stream``
+and stages inputs and outputs through pinned host buffers with non-blocking
+copies, so instances overlap copies and compute instead of serializing on the
+default stream.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from aserve.config import ModelConfig
 from aserve.engines import cuda_graphs
 from aserve.engines.base import Engine
+from aserve.engines.export_file import load_exported_program
 from aserve.types.tensors import numpy_dtype
 
 log = logging.getLogger("aserve.engines.torch")
@@ -71,7 +75,7 @@ class TorchEngine(Engine):
         if not path.is_file():
             raise FileNotFoundError(f"model file not found: {path}")
         if path.suffix == ".pt2":
-            program = torch.export.load(str(path))
+            program = load_exported_program(path)
             module = program.module()
             self._module = module.to(self.device)
         else:
