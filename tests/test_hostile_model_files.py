@@ -340,6 +340,45 @@ def test_onnx_external_data_outside_the_model_folder_is_refused(tmp_path: Path) 
     del onnx
 
 
+def test_a_decoder_folder_never_reads_a_pickled_checkpoint_beside_its_safetensors(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    import lm_models
+
+    from aserve.config import GenerationConfig
+    from aserve.engines.decoder import DecoderEngine
+
+    marker = tmp_path / "ran"
+    folder = shutil.copytree(lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms"),
+                             tmp_path / "gpt2")  # fmt: skip
+    for name in ("pytorch_model.bin", "model.pt", "training_args.bin"):
+        torch.save({"state": _Boom(marker)}, folder / name)
+    engine = DecoderEngine(folder, GenerationConfig(max_num_seqs=1, max_model_len=64))
+    engine.load()
+    assert engine.tokenizer.encode("hello")
+    assert not marker.exists()
+
+
+def test_a_planted_builtin_cache_file_runs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whoever can write the cache can swap the built model; what they put there still
+    loads as TorchScript or not at all."""
+    from aserve.engines import builtin
+
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    marker = tmp_path / "ran"
+    path = builtin.resolve("affine")
+    torch.save({"weights": _Boom(marker)}, path)
+    assert builtin.resolve("affine") == path  # the cached copy is reused as it is
+    entry = model_entry("affine", str(path), [spec("INPUT0", "FP32", [16])],
+                        [spec("OUTPUT0", "FP32", [16])])  # fmt: skip
+    config = ModelConfig.model_validate({**entry, "device": "cpu"})
+    with pytest.raises(RuntimeError, match=r"constants\.pkl"):
+        TorchEngine(config, path).load()
+    assert not marker.exists()
+
+
 # --- every way a .pt2 arrives ------------------------------------------------------
 
 
