@@ -126,7 +126,7 @@ def test_weights_that_fail_in_the_child_fail_the_start_with_the_reason(
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in Path(gpt2["path"]).iterdir():
-        data = b"not a safetensors file" if f.suffix == ".safetensors" else f.read_bytes()
+        data = _overlapping(f.read_bytes()) if f.suffix == ".safetensors" else f.read_bytes()
         (broken / f.name).write_bytes(data)
     config = write_config(tmp_path, {"models": [{**gpt2, "path": str(broken)}]})
     done = subprocess.run(
@@ -138,6 +138,20 @@ def test_weights_that_fail_in_the_child_fail_the_start_with_the_reason(
     assert done.returncode != 0
     assert "model 'gpt2/1' failed to load" in done.stderr
     assert "safetensorerror" in done.stderr.lower()  # the child's own reason
+
+
+def _overlapping(data: bytes) -> bytes:
+    """A safetensors file whose header the server's checks pass (every tensor
+    there, its shape, its bytes within the file) but whose tensors all start at
+    byte 0: safetensors refuses it when the child loads it."""
+    length = int.from_bytes(data[:8], "little")
+    header = orjson.loads(data[8 : 8 + length])
+    for name, entry in header.items():
+        if name != "__metadata__":
+            begin, end = entry["data_offsets"]
+            entry["data_offsets"] = [0, end - begin]
+    raw = orjson.dumps(header)
+    return len(raw).to_bytes(8, "little") + raw + data[8 + length :]
 
 
 @pytest.fixture

@@ -425,14 +425,19 @@ def _read_tensors(model: dict[str, Any], fmt: str, target: str) -> None:
 
 def _fit_context(model: dict[str, Any], max_model_len: int | None) -> None:
     """A decoder's ``max_model_len``: the flag, else the default capped at the model's
-    context length (a small model would refuse the default of 2048)."""
+    context length (a small model would refuse the default of 2048).
+
+    The folder is checked as far as it can be without building anything (its
+    sizes against the default ``generation.checkpoint_limits``, the weights'
+    headers against them, the sizes of its files), so that ``--print-config``
+    refuses a folder the server would refuse, at the cost of reading headers."""
     from aserve.config import GenerationConfig
-    from aserve.engines.decoder.checkpoint import read_spec
+    from aserve.engines.decoder.checkpoint import check_folder
     from aserve.engines.decoder.spec import CheckpointError
 
     generation = model.setdefault("generation", {})
     try:
-        positions = read_spec(Path(model["path"])).max_positions
+        positions = check_folder(Path(model["path"])).max_positions
     except CheckpointError as exc:
         raise UsageError(f"{model['path']}: {exc}") from None
     if max_model_len is not None:

@@ -160,6 +160,46 @@ class PipelineStep(_Frozen):
 PROMPT_BYTES_PER_TOKEN = 32
 
 
+_MiB = 2**20
+
+
+class CheckpointLimits(_Frozen):
+    """What a decoder model folder may declare (``generation.checkpoint_limits``).
+
+    Checked before anything is built from it: the sizes in ``config.json``
+    before a layer is made, the size of each file before it is read. The
+    defaults hold the largest GPT-2 and Llama checkpoints published (Llama
+    3.1 405B: 126 layers, hidden size 16384, MLP 53248); raise one for a
+    model past them. The weights the sizes imply are checked against the
+    safetensors files' headers before any weight is read, so these bound only
+    the work of getting that far.
+    """
+
+    max_layers: Annotated[int, Field(ge=1)] = 1024
+    """Most transformer blocks (``n_layer``, ``num_hidden_layers``)."""
+    max_hidden_size: Annotated[int, Field(ge=1)] = 65536
+    """Largest hidden size (``n_embd``, ``hidden_size``) and ``head_dim``."""
+    max_heads: Annotated[int, Field(ge=1)] = 1024
+    """Most attention heads (``n_head``, ``num_attention_heads``,
+    ``num_key_value_heads``)."""
+    max_intermediate_size: Annotated[int, Field(ge=1)] = 1_048_576
+    """Widest MLP (``n_inner``, ``intermediate_size``)."""
+    max_vocab_size: Annotated[int, Field(ge=1)] = 2_097_152
+    """Largest vocabulary (``vocab_size``)."""
+    max_positions: Annotated[int, Field(ge=1)] = 16_777_216
+    """Longest context the model may declare (``n_positions``,
+    ``max_position_embeddings``); what is allocated follows ``max_model_len``."""
+    max_tokenizer_bytes: Annotated[int, Field(ge=1)] = 16 * _MiB
+    """Largest ``tokenizer.json``. ``tokenizers`` holds the GIL while it
+    builds a tokenizer, so the event loop stops for as long as that takes
+    (about 50-80 ms per MiB measured on 2 cores): a larger file is refused
+    before it is read. Llama 3's is 9 MB."""
+    max_config_file_bytes: Annotated[int, Field(ge=1)] = 4 * _MiB
+    """Largest ``config.json``, ``generation_config.json``,
+    ``tokenizer_config.json``, ``model.safetensors.index.json`` and
+    ``chat_template.jinja``, each refused before it is read."""
+
+
 class GenerationConfig(_Frozen):
     """Capacity and limits of one decoder model (its ``"generation"`` block).
 
@@ -206,6 +246,8 @@ class GenerationConfig(_Frozen):
     it gained at 1 stream and lost at 8 and 32, where the step process that
     never waits took the CPU the server needs to write the streams. The step
     thread never runs ahead."""
+    checkpoint_limits: CheckpointLimits = CheckpointLimits()
+    """What the model folder may declare; see :class:`CheckpointLimits`."""
 
     @cached_property
     def prompt_bytes_limit(self) -> int:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from aserve.config import GenerationConfig
-from aserve.engines.decoder.checkpoint import read_spec
+from aserve.engines.decoder.checkpoint import check_folder
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel, resolve_dtype
 from aserve.engines.decoder.sampling import make_generator, sample
@@ -67,10 +67,16 @@ class DecoderEngine:
     # --- lifecycle --------------------------------------------------------------
 
     def load(self) -> None:
-        """Load weights and tokenizer, allocate the KV cache, run one warm-up step."""
-        model = DecoderModel.load(self.model_path, self.device, self.dtype)
-        tokenizer = Tokenizer.load(self.model_path)
+        """Load weights and tokenizer, allocate the KV cache, run one warm-up step.
+
+        What the folder declares is checked before it is built (the
+        tokenizer's size, config.json's sizes, the weights' headers against
+        them: ``generation.checkpoint_limits``)."""
         gen = self.generation
+        limits = gen.checkpoint_limits
+        # The tokenizer first: its size is refused in a moment, the weights take longer.
+        tokenizer = Tokenizer.load(self.model_path, limits)
+        model = DecoderModel.load(self.model_path, self.device, self.dtype, limits)
         cache = model.new_cache(gen.max_num_seqs, gen.max_model_len)
         self._model, self._tokenizer, self._cache = model, tokenizer, cache
         self._spec = model.spec
@@ -88,9 +94,12 @@ class DecoderEngine:
 
     def load_front(self) -> None:
         """Load the tokenizer and the model's shape, no weights: enough for
-        ``new_sequence``, not for ``step``."""
-        self._spec = read_spec(self.model_path)
-        self._tokenizer = Tokenizer.load(self.model_path)
+        ``new_sequence``, not for ``step``. The weights' headers are checked
+        against the shape here, so a folder whose files do not match is
+        refused before the step process is started to load them."""
+        limits = self.generation.checkpoint_limits
+        self._tokenizer = Tokenizer.load(self.model_path, limits)
+        self._spec = check_folder(self.model_path, limits)
 
     def create_instance(self, index: int) -> None:
         """Per-thread settings; call on the executor thread before the first step."""

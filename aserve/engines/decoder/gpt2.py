@@ -6,16 +6,20 @@ out_features); they are transposed once here to the ``linear`` layout.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
+from aserve.config.schema import CheckpointLimits
 from aserve.engines.decoder.spec import (
     CheckpointError,
     LayerWeights,
     ModelSpec,
     StateDict,
     Weights,
+    config_float,
     config_int,
 )
 
@@ -29,12 +33,18 @@ _ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
 }
+_LAYER = re.compile(r"^(?:transformer\.)?h\.(\d+)\.")
 
 
-def spec_from_config(config: dict[str, Any], source: str) -> ModelSpec:
-    hidden = config_int(config, "n_embd", source)
-    heads = config_int(config, "n_head", source)
-    layers = config_int(config, "n_layer", source)
+def spec_from_config(
+    config: dict[str, Any], source: str, limits: CheckpointLimits | None = None
+) -> ModelSpec:
+    hidden = config_int(config, "n_embd", source, limits, "max_hidden_size")
+    heads = config_int(config, "n_head", source, limits, "max_heads")
+    layers = config_int(config, "n_layer", source, limits, "max_layers")
+    vocab = config_int(config, "vocab_size", source, limits, "max_vocab_size")
+    positions = config_int(config, "n_positions", source, limits, "max_positions")
+    inner = config_int(config, "n_inner", source, limits, "max_intermediate_size", 4 * hidden)
     if hidden % heads:
         raise CheckpointError(f"{source}: n_embd ({hidden}) is not a multiple of n_head ({heads})")
     if config.get("add_cross_attention"):
@@ -51,15 +61,16 @@ def spec_from_config(config: dict[str, Any], source: str) -> ModelSpec:
         scales.append(scale)
     return ModelSpec(
         family="gpt2",
-        vocab_size=config_int(config, "vocab_size", source),
+        vocab_size=vocab,
         hidden_size=hidden,
         num_layers=layers,
+        intermediate_size=inner,
         num_heads=heads,
         num_kv_heads=heads,
         head_dim=head_dim,
-        max_positions=config_int(config, "n_positions", source),
+        max_positions=positions,
         norm="layernorm",
-        norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        norm_eps=config_float(config, "layer_norm_epsilon", source, 1e-5),
         activation=_ACTIVATIONS[act],  # type: ignore[arg-type]
         gated_mlp=False,
         rope=None,
@@ -68,9 +79,42 @@ def spec_from_config(config: dict[str, Any], source: str) -> ModelSpec:
     )
 
 
-def weights_from_state(spec: ModelSpec, sd: StateDict) -> Weights:
+def _prefix(names: Collection[str]) -> str:
     # GPT2LMHeadModel saves "transformer.*"; a bare GPT2Model (the original
     # openai-community/gpt2 files) has no prefix.
+    return "transformer." if "transformer.wte.weight" in names else ""
+
+
+def tensor_shapes(spec: ModelSpec, names: Collection[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor :func:`weights_from_state` takes from files holding ``names``,
+    with the shape ``spec`` implies (``Conv1D`` layout: in, out)."""
+    p = _prefix(names)
+    d, inner, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {p + "wte.weight": (v, d)}
+    shapes[p + "wpe.weight"] = (spec.max_positions, d)
+    for i in range(spec.num_layers):
+        h = f"{p}h.{i}."
+        shapes |= {
+            h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
+            h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
+            h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
+            h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
+            h + "mlp.c_fc.weight": (d, inner), h + "mlp.c_fc.bias": (inner,),
+            h + "mlp.c_proj.weight": (inner, d), h + "mlp.c_proj.bias": (d,),
+        }  # fmt: skip
+    shapes[p + "ln_f.weight"] = shapes[p + "ln_f.bias"] = (d,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def layer_of(name: str) -> int | None:
+    """The block a tensor belongs to (``h.<i>.``), if it belongs to one."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def weights_from_state(spec: ModelSpec, sd: StateDict) -> Weights:
     p = "transformer." if sd.has("transformer.wte.weight") else ""
     layers = []
     for i in range(spec.num_layers):

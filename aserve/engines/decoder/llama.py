@@ -9,10 +9,13 @@ transformers 5 ``rope_parameters`` block or the older ``rope_theta`` /
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
 
+from aserve.config.schema import CheckpointLimits
 from aserve.engines.decoder.spec import (
     CheckpointError,
     LayerWeights,
@@ -20,43 +23,84 @@ from aserve.engines.decoder.spec import (
     RopeSpec,
     StateDict,
     Weights,
+    config_float,
     config_int,
 )
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def spec_from_config(config: dict[str, Any], source: str) -> ModelSpec:
-    hidden = config_int(config, "hidden_size", source)
-    heads = config_int(config, "num_attention_heads", source)
-    kv_heads = config.get("num_key_value_heads") or heads
+def spec_from_config(
+    config: dict[str, Any], source: str, limits: CheckpointLimits | None = None
+) -> ModelSpec:
+    hidden = config_int(config, "hidden_size", source, limits, "max_hidden_size")
+    heads = config_int(config, "num_attention_heads", source, limits, "max_heads")
+    kv_heads = config_int(config, "num_key_value_heads", source, limits, "max_heads", heads)
+    layers = config_int(config, "num_hidden_layers", source, limits, "max_layers")
+    vocab = config_int(config, "vocab_size", source, limits, "max_vocab_size")
+    positions = config_int(config, "max_position_embeddings", source, limits, "max_positions")
+    inner = config_int(config, "intermediate_size", source, limits, "max_intermediate_size")
     if heads % kv_heads:
         raise CheckpointError(
             f"{source}: num_attention_heads ({heads}) is not a multiple of "
             f"num_key_value_heads ({kv_heads})"
         )
-    head_dim = config.get("head_dim") or hidden // heads
+    head_dim = config_int(
+        config, "head_dim", source, limits, "max_hidden_size", max(1, hidden // heads)
+    )
     act = config.get("hidden_act", "silu")
     if act not in _ACTIVATIONS:
         raise CheckpointError(f"{source}: hidden_act '{act}' is not supported")
-    layers = config_int(config, "num_hidden_layers", source)
     return ModelSpec(
         family="llama",
-        vocab_size=config_int(config, "vocab_size", source),
+        vocab_size=vocab,
         hidden_size=hidden,
         num_layers=layers,
+        intermediate_size=inner,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        max_positions=config_int(config, "max_position_embeddings", source),
+        max_positions=positions,
         norm="rmsnorm",
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        norm_eps=config_float(config, "rms_norm_eps", source, 1e-6),
         activation=_ACTIVATIONS[act],  # type: ignore[arg-type]
         gated_mlp=True,
         rope=_rope(config, source),
         attn_scales=(head_dim**-0.5,) * layers,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
+
+
+def tensor_shapes(spec: ModelSpec, names: Collection[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor :func:`weights_from_state` takes from files holding ``names``
+    (the optional biases where the files have them), with the shape ``spec``
+    implies (``linear`` layout: out, in)."""
+    d, inner, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    q, kv = spec.q_size, spec.kv_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm": (d,), "post_attention_layernorm": (d,),
+            "self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+            "self_attn.o_proj": (d, q),
+            "mlp.gate_proj": (inner, d), "mlp.up_proj": (inner, d), "mlp.down_proj": (d, inner),
+        }  # fmt: skip
+        for module, shape in layer.items():
+            shapes[f"{p}{module}.weight"] = shape
+            if "proj" in module and f"{p}{module}.bias" in names:
+                shapes[f"{p}{module}.bias"] = shape[:1]
+    shapes["model.norm.weight"] = (d,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+def layer_of(name: str) -> int | None:
+    """The block a tensor belongs to (``model.layers.<i>.``), if it belongs to one."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
 
 
 def _rope(config: dict[str, Any], source: str) -> RopeSpec:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from aserve.config.schema import CheckpointLimits
 from aserve.engines.decoder.checkpoint import load_weights, read_spec
 from aserve.engines.decoder.kv_cache import KVCache
 from aserve.engines.decoder.rope import apply_rope, rope_tables
@@ -59,12 +60,11 @@ class DecoderModel:
         self.device = device
         self.dtype = dtype
         self._act = _ACT[spec.activation]
+        # RoPE tables cover the longest cache made (new_cache), not every
+        # position the model declares: 128K positions would be 128 MiB of
+        # tables for a 2048-token cache, and a config may declare millions.
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
-        if spec.rope is not None:
-            self._cos, self._sin = rope_tables(
-                spec.rope, spec.head_dim, spec.max_positions, device, dtype
-            )
 
     @classmethod
     def load(
@@ -72,19 +72,21 @@ class DecoderModel:
         folder: str | Path,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | str = torch.float32,
+        limits: CheckpointLimits | None = None,
     ) -> DecoderModel:
         """Load ``config.json`` + ``*.safetensors`` from ``folder``.
 
         Raises :class:`CheckpointError` for a missing file, an unsupported
-        ``model_type`` or weights that do not match the config.
+        ``model_type``, sizes over ``limits``, or weights that do not match
+        the config (found from the files' headers, before any is read).
         """
         folder = Path(folder)
         if not folder.is_dir():
             raise CheckpointError(f"{folder}: not a folder")
         device = torch.device(device)
         dtype = resolve_dtype(dtype)
-        spec = read_spec(folder)
-        return cls(spec, load_weights(folder, spec, device, dtype), device, dtype)
+        spec = read_spec(folder, limits)
+        return cls(spec, load_weights(folder, spec, device, dtype, limits), device, dtype)
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         """A KV cache for ``num_slots`` sequences of up to ``max_len`` tokens."""
@@ -94,6 +96,8 @@ class DecoderModel:
                 f"({self.spec.max_positions} positions)"
             )
         s = self.spec
+        if s.rope is not None and (self._cos is None or self._cos.shape[0] < max_len):
+            self._cos, self._sin = rope_tables(s.rope, s.head_dim, max_len, self.device, self.dtype)
         return KVCache(
             s.num_layers, num_slots, s.num_kv_heads, max_len, s.head_dim, self.device, self.dtype
         )
@@ -203,7 +207,8 @@ class DecoderModel:
         if w.pos_embed is not None:
             h = h + F.embedding(pos, w.pos_embed)
         cos = sin = None
-        if self._cos is not None and self._sin is not None:
+        if spec.rope is not None:
+            assert self._cos is not None and self._sin is not None  # made with the cache
             cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)
         heads, kv_heads, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
         for i, layer in enumerate(w.layers):

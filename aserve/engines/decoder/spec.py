@@ -7,10 +7,13 @@ pass in ``model.py`` reads only these, never family names.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from aserve.config.schema import CheckpointLimits
 
 
 class CheckpointError(ValueError):
@@ -35,6 +38,7 @@ class ModelSpec:
     vocab_size: int
     hidden_size: int
     num_layers: int
+    intermediate_size: int  # the MLP's width (gated: of each of gate and up)
     num_heads: int
     num_kv_heads: int  # < num_heads: grouped-query attention
     head_dim: int
@@ -113,9 +117,41 @@ class StateDict:
     def unused(self) -> list[str]:
         return sorted(set(self._tensors) - self._used)
 
+    def used(self) -> set[str]:
+        return set(self._used)
 
-def config_int(config: dict[str, object], key: str, source: str) -> int:
+
+LIMITS_KEY = "generation.checkpoint_limits"
+
+
+def config_int(
+    config: dict[str, object],
+    key: str,
+    source: str,
+    limits: CheckpointLimits | None = None,
+    limit: str | None = None,
+    default: int | None = None,
+) -> int:
+    """``config[key]``, a positive integer (``default`` when absent or null), at
+    most ``limits.<limit>``: refused before anything is built with it."""
     value = config.get(key)
+    if value is None and default is not None:
+        value = default
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise CheckpointError(f"{source}: '{key}' must be a positive integer (got {value!r})")
+    if limits is not None and limit is not None and value > getattr(limits, limit):
+        raise CheckpointError(
+            f"{source}: '{key}' is {value}, over the limit {LIMITS_KEY}.{limit} "
+            f"({getattr(limits, limit)}); raise it in the model's config if the model is that large"
+        )
     return value
+
+
+def config_float(config: dict[str, object], key: str, source: str, default: float) -> float:
+    """``config[key]``, a finite number (``default`` when absent or null)."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise CheckpointError(f"{source}: '{key}' must be a finite number (got {value!r})")
+    return float(value)

@@ -23,7 +23,8 @@ import tokenizers
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from aserve.engines.decoder.checkpoint import read_json
+from aserve.config.schema import CheckpointLimits
+from aserve.engines.decoder.checkpoint import read_bounded, read_json
 from aserve.engines.decoder.detokenizer import IncrementalDetokenizer
 from aserve.engines.decoder.spec import CheckpointError
 from aserve.errors import InvalidArgument
@@ -58,21 +59,33 @@ class Tokenizer:
         self._template = env.from_string(chat_template or DEFAULT_CHAT_FORMAT)
 
     @classmethod
-    def load(cls, folder: str | Path) -> Tokenizer:
+    def load(cls, folder: str | Path, limits: CheckpointLimits | None = None) -> Tokenizer:
+        """The folder's tokenizer. Each file's size is checked against
+        ``limits`` before it is read: ``tokenizers`` holds the GIL while it
+        builds a tokenizer (the event loop waits, even when this runs on a
+        thread), for a time that grows with ``tokenizer.json``'s size."""
         folder = Path(folder)
+        limits = limits or CheckpointLimits()
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{folder}: no tokenizer.json")
+        raw = read_bounded(path, limits.max_tokenizer_bytes, "max_tokenizer_bytes")
         try:
-            inner = tokenizers.Tokenizer.from_file(str(path))
+            inner = tokenizers.Tokenizer.from_buffer(raw)
         except Exception as exc:  # the Rust side raises plain Exception
             raise CheckpointError(f"{path}: cannot load tokenizer: {exc}") from None
-        tok_config = _optional_json(folder / "tokenizer_config.json")
+        del raw
+        # A prompt is encoded as it is: padding would add tokens (a file's fixed
+        # padding of millions would be allocated per request) and truncation
+        # would cut it silently instead of refusing it by max_model_len.
+        inner.no_padding()
+        inner.no_truncation()
+        tok_config = _optional_json(folder / "tokenizer_config.json", limits)
         bos = _token_text(tok_config.get("bos_token"))
         eos = _token_text(tok_config.get("eos_token"))
         eos_ids: set[int] = set()
         for name in ("config.json", "generation_config.json"):
-            eos_ids |= _ids(_optional_json(folder / name).get("eos_token_id"))
+            eos_ids |= _ids(_optional_json(folder / name, limits).get("eos_token_id"))
         if eos is not None and (eos_id := inner.token_to_id(eos)) is not None:
             eos_ids.add(eos_id)
         template = tok_config.get("chat_template")
@@ -81,7 +94,10 @@ class Tokenizer:
             template = named.get("default")
         jinja_file = folder / "chat_template.jinja"
         if template is None and jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
+            raw_template = read_bounded(
+                jinja_file, limits.max_config_file_bytes, "max_config_file_bytes"
+            )
+            template = raw_template.decode("utf-8")
         try:
             return cls(inner, eos_ids, bos, eos, template if isinstance(template, str) else None)
         except TemplateError as exc:
@@ -136,8 +152,8 @@ class Tokenizer:
             raise InvalidArgument(f"messages: the chat template failed: {exc}") from None
 
 
-def _optional_json(path: Path) -> dict[str, Any]:
-    return read_json(path) if path.is_file() else {}
+def _optional_json(path: Path, limits: CheckpointLimits) -> dict[str, Any]:
+    return read_json(path, limits) if path.is_file() else {}
 
 
 def _token_text(value: Any) -> str | None:
