@@ -144,6 +144,24 @@ def test_a_project_with_a_symlink_or_a_bad_output_name_is_refused(
     assert not (tmp_path / "x.aserve").exists() and not (tmp_path / "x.zip").exists()
 
 
+@pytest.mark.timeout(120)
+def test_packing_warns_of_what_a_server_refuses_and_refuses_bad_names(
+    project: Path, tmp_path: Path
+) -> None:
+    sparse = tmp_path / "sparse"
+    shutil.copytree(project, sparse, ignore=shutil.ignore_patterns("__pycache__"))
+    (sparse / "zeros.bin").write_bytes(bytes(8 << 20))  # deflates ~1000x
+    done = aserve("archive", str(sparse), "-o", "s.aserve", "--skip-tests", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "warning: a server with the default limits refuses it" in done.stderr
+    assert "member 'zeros.bin' expands" in done.stderr and (tmp_path / "s.aserve").is_file()
+    (sparse / "zeros.bin").unlink()
+    (sparse / "bad\nname.py").write_text("x = 1\n")
+    done = aserve("archive", str(sparse), "-o", "t.aserve", "--skip-tests", cwd=tmp_path)
+    assert done.returncode == 2 and "unprintable character" in done.stderr, done.stderr
+    assert not (tmp_path / "t.aserve").exists()
+
+
 # --- serve_config ---------------------------------------------------------------
 
 
@@ -163,7 +181,12 @@ def test_serve_config_extracts_once_and_reuses(packed: Path, cache: Path) -> Non
     (root / "handler.py").write_text("raise SystemExit('tampered cache')\n")
     assert serve_config(packed) == config
     assert (root / "handler.py").read_bytes() == zipfile.ZipFile(packed).read("handler.py")
-    assert sorted(p.name for p in (cache / "archives").iterdir()) == [digest]  # nothing left beside
+    assert _folders(cache) == [digest]  # nothing left beside
+
+
+def _folders(cache: Path) -> list[str]:
+    """What the archive cache holds but the lock files beside its folders."""
+    return sorted(p.name for p in (cache / "archives").iterdir() if p.suffix != ".lock")
 
 
 def _serve_in_process(
@@ -195,7 +218,7 @@ def test_processes_extracting_at_once_agree(packed: Path, tmp_path: Path) -> Non
     roots = {(tmp_path / f"out{i}").read_text() for i in range(6)}
     assert len(roots) == 1
     (root,) = roots
-    assert sorted(p.name for p in (cache / "archives").iterdir()) == [Path(root).name]
+    assert _folders(cache) == [Path(root).name]
     with zipfile.ZipFile(packed) as zf:
         for name in zf.namelist():
             if name != archive.MANIFEST:
@@ -293,7 +316,7 @@ def test_a_hostile_archive_is_refused_naming_the_member(
         serve_config(bad)
     assert message in str(caught.value)
     # Nothing was extracted: not in place, not beside, not outside.
-    assert not (cache / "archives").exists() or not any((cache / "archives").iterdir())
+    assert not (cache / "archives").exists() or _folders(cache) == []
     assert not (tmp_path / "evil.py").exists() and not Path("/tmp/evil.py").exists()
 
 
@@ -429,4 +452,4 @@ def test_a_bomb_whose_headers_lie_is_cut_at_its_declared_size(
     _shrink_declared_size(bad, "zeros.bin", 10)
     with pytest.raises(ArchiveError, match=r"member 'zeros\.bin' (is corrupt|does not match)"):
         serve_config(bad)
-    assert not (cache / "archives").exists() or not any((cache / "archives").iterdir())
+    assert not (cache / "archives").exists() or _folders(cache) == []

@@ -354,5 +354,5 @@ def test_an_archive_is_served_with_the_flags_on_top_of_its_config(
     assert printed["http"]["port"] == 9000 and "grpc" not in printed
     assert printed["models"][0]["name"] == "demo"
     assert printed["models"][0]["batching"]["max_batch_size"] == 4
-    # The archive was verified and extracted into the cache; its model files resolve there.
+    # The archive was verified, not extracted: its model files resolve where serving puts it.
     assert str(tmp_path / "cache" / "archives") in printed["models"][0]["root"]

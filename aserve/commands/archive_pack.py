@@ -54,7 +54,11 @@ def project_files(project: Path, skip: Path | None = None) -> list[str]:
                 raise PackError(
                     f"{path} is not a plain file (a symlink?); an archive holds plain files"
                 )
-            members.append(path.relative_to(project).as_posix())
+            name = path.relative_to(project).as_posix()
+            why = archive.check_member_name(name)
+            if why:
+                raise PackError(f"{path}: an archive member's name {why}; rename it")
+            members.append(name)
     return sorted(members)
 
 
@@ -101,15 +105,12 @@ def write_archive(project: Path, output: Path, config_name: str) -> dict:
     names = project_files(project, skip=output.absolute())
     if config_name not in names:
         raise PackError(f"{project / config_name}: the config must be a plain file in the project")
-    members, total = [], 0
+    members = []
     for name in names:
         data = (project / name).read_bytes()
-        total += len(data)
         members.append(
             {"path": name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
         )
-    if total > archive.max_bytes():
-        raise PackError(f"{project} holds {total} bytes, over the limit of {archive.max_bytes()}")
     manifest = {"format": archive.FORMAT, "aserve_version": __version__, "config": config_name,
                 "members": members}  # fmt: skip
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +132,19 @@ def write_archive(project: Path, output: Path, config_name: str) -> dict:
     except BaseException:
         os.unlink(tmp)
         raise
+    _warn_if_refused(output)
     return manifest
+
+
+def _warn_if_refused(output: Path) -> None:
+    """Say so when a server with the default limits would refuse the archive (a member
+    that compresses past the ratio, say): it is written all the same, for a server
+    whose config raises them."""
+    try:
+        archive.peek_config(output)
+    except archive.ArchiveError as exc:
+        print(f"aserve archive: warning: a server with the default limits refuses it: {exc}",
+              file=sys.stderr)  # fmt: skip
 
 
 def run_archive(project: Path, output: Path | None, config_name: str, skip_tests: bool) -> int:

@@ -109,6 +109,15 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--max-model-len", type=int, help="decoder: longest sequence, in tokens")
     b.add_argument("--max-connections", type=int, help="HTTP connections / gRPC calls at once")
     b.add_argument("--max-concurrency", type=int, help="inference requests served at once")
+    a = p.add_argument_group("archives (an .aserve FILE)")
+    a.add_argument(
+        "--max-archive-bytes", type=int, metavar="N",
+        help="most bytes the archive may extract (default 4 GiB, or $ASERVE_ARCHIVE_MAX_BYTES)",
+    )  # fmt: skip
+    a.add_argument(
+        "--max-archive-ratio", type=float, metavar="R",
+        help="most times a member may expand its compressed size (default 100)",
+    )  # fmt: skip
     g = p.add_argument_group("GPU memory and auth")
     g.add_argument("--gpu-mem-limit-mib", type=int, help="most memory torch holds per device")
     g.add_argument(
@@ -123,7 +132,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--print-config",
         action="store_true",
-        help="print the equivalent JSON config (for aserve --config) and exit",
+        help="print the equivalent JSON config (for aserve --config) and exit; an archive "
+        "is checked and its config read, not extracted",
     )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-format", default="text", choices=["text", "json"])  # fmt: skip
@@ -136,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     logs.configure(args.log_level, args.log_format)
     try:
         plan = build(args)
-        config = validate(plan)
+        # An archive's files are extracted only to serve it: --print-config checks the config.
+        config = validate(plan, check_files=not (args.print_config and plan.target is None))
         if args.print_config:
             print(orjson.dumps(plan.data, option=orjson.OPT_INDENT_2).decode())
             return 0
@@ -163,11 +174,15 @@ def build(args: argparse.Namespace) -> Plan:
     target = args.file
     base_dir = Path.cwd()
     if target.endswith(".aserve"):
-        data, base_dir = _archive(Path(target))
+        data, base_dir = _archive(Path(target), _archive_limits(args), not args.print_config)
         model_keys = _model_keys(args, "archive")
         for model in data.get("models", []):
             _merge(model, model_keys)
     else:
+        for flag, value in (("--max-archive-bytes", args.max_archive_bytes),
+                            ("--max-archive-ratio", args.max_archive_ratio)):  # fmt: skip
+            if value is not None:
+                raise UsageError(f"{flag}: only for an .aserve archive (FILE is {target})")
         engine, model = _model_of(target)
         _merge(model, _model_keys(args, engine))
         if model["engine"] == "tensorrt":
@@ -184,8 +199,9 @@ def build(args: argparse.Namespace) -> Plan:
     return Plan(data, base_dir, specs, None if target.endswith(".aserve") else target)
 
 
-def validate(plan: Plan) -> Any:
-    """The :class:`ServerConfig` of ``plan``, its files checked; errors name the flags."""
+def validate(plan: Plan, check_files: bool = True) -> Any:
+    """The :class:`ServerConfig` of ``plan``, its files checked (unless not
+    ``check_files``); errors name the flags."""
     from pydantic import ValidationError
 
     from aserve.config import ConfigError, ServerConfig
@@ -201,6 +217,8 @@ def validate(plan: Plan) -> Any:
     problems = check_pipelines(config)
     if problems:
         raise UsageError("\n  ".join(problems))
+    if not check_files:
+        return config
     try:
         check_model_files(config, plan.base_dir)
     except ConfigError as exc:
@@ -453,10 +471,31 @@ def _fit_context(model: dict[str, Any], max_model_len: int | None) -> None:
         del model["generation"]
 
 
-def _archive(path: Path) -> tuple[dict[str, Any], Path]:
-    from aserve.config.archive import ArchiveError, serve_config
+def _archive_limits(args: argparse.Namespace) -> Any:
+    """The archive's :class:`aserve.config.archive.Limits`, from the flags."""
+    from aserve.config.archive import DEFAULT_MAX_RATIO, ArchiveError, Limits, limits_of
 
     try:
-        return serve_config(path), path.absolute().parent
+        default = limits_of()
+    except ArchiveError as exc:  # $ASERVE_ARCHIVE_MAX_BYTES
+        raise UsageError(str(exc)) from None
+    max_bytes, ratio = args.max_archive_bytes, args.max_archive_ratio
+    if max_bytes is not None and max_bytes < 1:
+        raise UsageError(f"--max-archive-bytes: must be >= 1 (got {max_bytes})")
+    if ratio is not None and not 1 <= ratio < float("inf"):
+        raise UsageError(f"--max-archive-ratio: must be a number >= 1 (got {ratio})")
+    return Limits(
+        default.max_bytes if max_bytes is None else max_bytes,
+        DEFAULT_MAX_RATIO if ratio is None else ratio,
+    )
+
+
+def _archive(path: Path, limits: Any, extract: bool) -> tuple[dict[str, Any], Path]:
+    """The archive's config: verified and extracted to serve it, or only verified."""
+    from aserve.config.archive import ArchiveError, peek_config, serve_config
+
+    try:
+        read = serve_config if extract else peek_config
+        return read(path, limits), path.absolute().parent
     except ArchiveError as exc:
         raise UsageError(str(exc)) from None

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from aserve.config import archive
 from aserve.config.pipelines import check_pipelines
-from aserve.config.schema import ServerConfig
+from aserve.config.schema import ArchivesConfig, ServerConfig
 
 
 class ConfigError(Exception):
@@ -70,15 +70,33 @@ def _expand_archives(data: dict[str, Any], base_dir: Path, source: str) -> dict[
     models = data.get("models")
     if not isinstance(models, list):
         return data
+    limits = None
     expanded = []
     for i, m in enumerate(models):
         if isinstance(m, dict) and str(m.get("path", "")).endswith(archive.SUFFIX):
+            # The limits the archives are checked against come first, checked on their own.
+            limits = limits or _archive_limits(data.get("archives", {}), source)
             try:
-                m = archive.expand_entry(m, base_dir)
+                m = archive.expand_entry(m, base_dir, limits)
             except archive.ArchiveError as exc:
                 raise ConfigError(f"{source}: invalid config\n  models[{i}].path: {exc}") from None
         expanded.append(m)
     return {**data, "models": expanded}
+
+
+def _archive_limits(block: Any, source: str) -> archive.Limits:
+    try:
+        config = ArchivesConfig.model_validate(block)
+    except ValidationError as exc:
+        where = [
+            f"archives.{_json_path(e['loc'])}" if e["loc"] else "archives" for e in exc.errors()
+        ]
+        lines = [f"{w}: {_message(e)}" for w, e in zip(where, exc.errors(), strict=True)]
+        raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines)) from None
+    try:
+        return archive.limits_of(config)
+    except archive.ArchiveError as exc:  # the environment's default
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def _json_path(loc: tuple[Any, ...]) -> str:

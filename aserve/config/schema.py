@@ -524,6 +524,20 @@ class DashboardConfig(_Frozen):
         return self
 
 
+class ArchivesConfig(_Frozen):
+    """What an ``.aserve`` archive that a model entry names may write to the cache
+    (the ``"archives"`` block); checked from the zip before anything is extracted."""
+
+    max_extracted_bytes: Annotated[int | None, Field(ge=1)] = None
+    """An archive's extracted total. None: ``$ASERVE_ARCHIVE_MAX_BYTES``, else
+    4 GiB (a handler project with its code and a model of up to some 2 billion
+    fp16 parameters); raise it for larger ones."""
+    max_compression_ratio: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 100.0
+    """How many times its compressed size one member may expand to (members up
+    to 4 KiB aside). Weights barely compress (1-3x), code and JSON 3-10x; a
+    zip bomb of zeros deflates about 1000x."""
+
+
 class ServerConfig(_Frozen):
     """The whole server config (the JSON file)."""
 
@@ -540,6 +554,7 @@ class ServerConfig(_Frozen):
     gpu: GpuConfig = GpuConfig()
     logging: LoggingConfig = LoggingConfig()
     dashboard: DashboardConfig = DashboardConfig()
+    archives: ArchivesConfig = ArchivesConfig()
     models: list[ModelConfig] = []
 
     @model_validator(mode="after")
