@@ -200,6 +200,11 @@ def import_handler(spec: str, base_dir: Path) -> type:
         try:
             importlib.invalidate_caches()
             module = sys.modules.get(module_name)
+            if module is not None and _from_elsewhere(module_name, module, base_dir):
+                # A module of that name from another folder (an archive replaced in
+                # place has a folder of its own): this folder's is imported afresh.
+                _forget(module_name)
+                module = None
             if module is None:
                 module = importlib.import_module(module_name)
             elif _changed(module_name, module):
@@ -251,6 +256,24 @@ def _mtime(module: ModuleType) -> int:
         return os.stat(path).st_mtime_ns if path else 0
     except OSError:
         return 0
+
+
+def _from_elsewhere(name: str, module: ModuleType, base_dir: Path) -> bool:
+    """Whether ``base_dir`` holds module ``name`` (its top-level package) but
+    ``module`` was imported from somewhere else."""
+    top = name.partition(".")[0]
+    if not ((base_dir / f"{top}.py").is_file() or (base_dir / top).is_dir()):
+        return False
+    path = getattr(module, "__file__", None)
+    return path is None or not Path(path).resolve().is_relative_to(base_dir.resolve())
+
+
+def _forget(name: str) -> None:
+    """Drop module ``name``'s top-level package and everything under it from sys.modules."""
+    top = name.partition(".")[0]
+    for key in [k for k in sys.modules if k == top or k.startswith(f"{top}.")]:
+        del sys.modules[key]
+        _imported_mtime.pop(key, None)
 
 
 def _changed(name: str, module: ModuleType) -> bool:

@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from aserve.config import ConfigError, ModelConfig, ServerConfig, parse_config
+from aserve.config import ConfigError, ModelConfig, ServerConfig, archive_cache, parse_config
 from aserve.engines.checks import check_model_files
 from aserve.errors import InternalError, NotFound, Unavailable
+from aserve.loop.archive_sweep import ArchiveSweeper
 from aserve.loop.runtimes.base import Runtime
 from aserve.loop.runtimes.factory import create_runtime
 
@@ -150,6 +151,7 @@ class Reloader:
         self._file_config = self._started_with  # the file config now in force
         digest = digest_of(source.raw) if source is not None else None
         self._applied_digest = digest
+        self._applied_raw = source.raw if source is not None else None
         self._seen_digest = digest
         interval = source.watch_interval_s if source is not None else 0.0
         self.status = ReloadStatus(source.path if source else None, digest, interval)
@@ -157,11 +159,15 @@ class Reloader:
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()  # the watcher, SIGHUP checks
         self._retiring: set[asyncio.Task[None]] = set()  # drain-then-unload of old runtimes
+        self._draining: set[Runtime] = set()  # the runtimes of those tasks
+        self._sweeper = ArchiveSweeper(self._lock, self._archive_roots, self._spawn)
 
     # --- lifecycle (called by the server) -------------------------------------
 
     def start(self) -> None:
-        """Start watching the config file, if there is one and watching is on."""
+        """Start watching the config file, if there is one and watching is on; let go
+        of cached archives no model uses."""
+        self._sweeper.want()
         if self._source is not None and self._source.watch_interval_s > 0:
             self._spawn(self._watch(self._source), "aserve-config-watch")
 
@@ -234,7 +240,8 @@ class Reloader:
         if digest == self._seen_digest and not force:
             return
         self._seen_digest = digest
-        if digest == self._applied_digest:
+        # The same bytes may name archives replaced since: those are read again (by content).
+        if digest == self._applied_digest and not (force and self._names_archives()):
             if force:
                 log.info("%s: the config file is unchanged", trigger)
             self.status.record(trigger, "unchanged")
@@ -246,6 +253,7 @@ class Reloader:
         assert self._source is not None
         digest = digest_of(raw)
         async with self._lock:
+            self._sweeper.want()  # after this change, applied or not: its archives are held
             try:
                 file_config = await asyncio.to_thread(self._validate, raw)
                 unloaded = self.unloaded & {m.name for m in file_config.models}
@@ -253,9 +261,18 @@ class Reloader:
             except (ConfigError, ReloadRejected) as exc:
                 self._reject(trigger, str(exc))
                 return
+            except Exception as exc:  # a bug: still rejected, and the status says what failed
+                log.exception("config reload (%s) failed", trigger)
+                self._reject(trigger, f"internal error: {type(exc).__name__}: {exc}")
+                return
+            if not changes and digest == self._applied_digest:  # archives read again, all alike
+                self.status.record(trigger, "unchanged")
+                log.info("%s: the config file and the archives it names are unchanged", trigger)
+                return
             self._file_config = file_config
             self.unloaded = unloaded
             self._applied_digest = digest
+            self._applied_raw = raw
             self.status.config_hash = digest
             self.status.applied_at = _now()
             self.status.restart_required = self._restart_required(file_config)
@@ -263,6 +280,35 @@ class Reloader:
         log.info("config reloaded (%s, %s): %s", trigger, digest[:19], _describe(changes))
         for line in self.status.restart_required:
             log.warning("config change needs a restart to take effect: %s", line)
+
+    def _reread_archives(self, name: str) -> ServerConfig:
+        """The config in force, with the models of ``name`` that an archive gives
+        read again from the config's bytes in force: an archive replaced in place
+        since has another digest, so another ``root``, and the diff replaces the
+        model. The other models stay as they are. Blocking: runs in a thread."""
+        config = self._file_config
+        models = [m for m in config.models if m.name == name]
+        if self._applied_raw is None or not any(archive_cache.digest_of(m.root) for m in models):
+            return config
+        assert self._source is not None
+        data = orjson.loads(self._applied_raw)  # parsed before: valid JSON
+        again = parse_config(data, source=str(self._source.path), base_dir=self._server.base_dir)
+        fresh = {m.key: m for m in again.models}
+        merged = config.model_copy(update={
+            "models": [fresh.get(m.key, m) if m.name == name else m for m in config.models],
+        })  # fmt: skip
+        check_model_files(merged, self._server.base_dir)
+        return merged
+
+    def _names_archives(self) -> bool:
+        return any(archive_cache.digest_of(m.root) for m in self._file_config.models)
+
+    def _archive_roots(self) -> list[str | None]:
+        """Where the models this server may still run live: the config in force
+        (unloaded models too: a repository load uses their folder), the routed
+        runtimes, the ones draining."""
+        runtimes = [*self._server.registry, *self._draining]
+        return [m.root for m in self._file_config.models] + [rt.config.root for rt in runtimes]
 
     def _validate(self, raw: bytes) -> ServerConfig:
         """Parse, validate, check files and import handlers. Blocking: runs in a thread."""
@@ -315,11 +361,14 @@ class Reloader:
             self._known(name)
             unloaded = self.unloaded - {name}
             trigger = f"repository load '{name}'"
+            self._sweeper.want()
             try:
-                changes = await self._apply(self._file_config, unloaded, reload_names={name})
-            except ReloadRejected as exc:
+                file_config = await asyncio.to_thread(self._reread_archives, name)
+                changes = await self._apply(file_config, unloaded, reload_names={name})
+            except (ConfigError, ReloadRejected) as exc:
                 self._reject(trigger, str(exc))
                 raise InternalError(str(exc)) from None
+            self._file_config = file_config
             self.unloaded = unloaded
             self.status.record(trigger, "ok", changes)
         log.info("%s: %s", trigger, _describe(changes))
@@ -338,6 +387,7 @@ class Reloader:
             unloaded = self.unloaded | names
             changes = await self._apply(self._file_config, unloaded)  # only removals: cannot fail
             self.unloaded = unloaded
+            self._sweeper.want()
             self.status.record(f"repository unload '{name}'", "ok", changes)
         log.info("repository unload '%s': %s", name, _describe(changes))
 
@@ -425,6 +475,13 @@ class Reloader:
         task = asyncio.create_task(self._drain(runtime), name=f"aserve-retire-{runtime.label}")
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+        self._draining.add(runtime)
+        task.add_done_callback(lambda _: self._drained(runtime))
+
+    def _drained(self, runtime: Runtime) -> None:
+        self._draining.discard(runtime)
+        if self._serving():  # at shutdown the next start sweeps
+            self._sweeper.want()
 
     async def _drain(self, runtime: Runtime) -> None:
         """Let a runtime that routing no longer reaches finish its requests, then unload it."""

@@ -5,8 +5,9 @@
   counters, and every model's state.
 - Triton's model repository extension: ``POST /v2/repository/index``,
   ``POST /v2/repository/models/{m}/load`` and ``.../unload``. Models are those
-  of the config file; load (re)loads a model as the file describes it, unload
-  takes it out of routing until it is loaded again.
+  of the config file; load (re)loads a model as the file describes it (an
+  ``.aserve`` archive read again: replaced in place, its new content is
+  served), unload takes it out of routing until it is loaded again.
 
 The work is done by :class:`aserve.loop.reload.Reloader`. Frontends layer, on the loop.
 """
