@@ -96,6 +96,36 @@ class LimitsConfig(_Frozen):
     max_tensor_elements: Annotated[int | None, Field(ge=1)] = None
     """Elements of one input tensor, batch dimension included; a larger
     input is refused: HTTP 413, gRPC RESOURCE_EXHAUSTED."""
+    max_inflight_bytes: Annotated[int | None, Field(ge=1)] = None
+    """Bytes of HTTP request bodies held at once, every route together, from
+    the start of a body's read until its answer is sent (a body counts its
+    Content-Length at first, then what arrived or inflated); a
+    request over it is refused: HTTP 429 with Retry-After (what is left of
+    its body is read and dropped). On by default: None means
+    ``INFLIGHT_BODIES`` times ``max_request_bytes`` (256 MiB at the
+    defaults). gRPC messages are bounded by ``max_request_bytes`` alone."""
+
+    @model_validator(mode="after")
+    def _inflight_fits_a_body(self) -> Self:
+        if self.max_inflight_bytes is not None and self.max_inflight_bytes < self.max_request_bytes:
+            raise ValueError(
+                f"max_inflight_bytes ({self.max_inflight_bytes}) is under max_request_bytes "
+                f"({self.max_request_bytes}): a body of the largest size could never be read; "
+                "raise it, or leave it out for the default"
+            )
+        return self
+
+    @property
+    def inflight_bytes_limit(self) -> int:
+        """``max_inflight_bytes``, or its default."""
+        if self.max_inflight_bytes is not None:
+            return self.max_inflight_bytes
+        return INFLIGHT_BODIES * self.max_request_bytes
+
+
+# The default max_inflight_bytes, in bodies of max_request_bytes: a few of the
+# largest at once, and thousands of ordinary ones.
+INFLIGHT_BODIES = 4
 
 
 class TensorSpec(_Frozen):

@@ -20,7 +20,8 @@ import gzip
 import logging
 import math
 import zlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
@@ -31,6 +32,7 @@ from aserve.errors import AserveError, InvalidArgument, RequestTimeout, TooLarge
 from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, request_id, resolve_deadline
 from aserve.frontends.http.admin import add_admin_routes
 from aserve.frontends.http.auth import http_middleware, server_ssl_context
+from aserve.frontends.http.body_budget import BodyBudget, read_counted
 from aserve.frontends.http.dashboard import add_dashboard_routes
 from aserve.frontends.http.drain import IdleCloser, take_queued
 from aserve.frontends.http.generate import add_generate_routes
@@ -56,6 +58,7 @@ from aserve.frontends.http.metrics import add_metrics_route
 from aserve.frontends.http.openai import add_openai_routes
 from aserve.frontends.http.openapi import add_openapi_route
 from aserve.frontends.http.predictions import add_prediction_routes
+from aserve.frontends.http.spool import SpooledBody, read_spooled
 from aserve.frontends.model_config import triton_config_json
 from aserve.frontends.status import STATUS_LABELS, status_label
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES
@@ -84,6 +87,7 @@ _DRAIN_POLL_S = 0.05  # how often a drain looks for idle connections to close
 # generation stream its final error event) before it is cancelled.
 CUT_OFF_S = 2.0
 MAX_BODY_KEY = web.AppKey("aserve_max_request_bytes", int)
+BODY_BUDGET_KEY = web.AppKey("aserve_body_budget", BodyBudget)
 BODY_TIMEOUT_KEY = web.AppKey("aserve_body_timeout_s", float)
 
 _json = json_response
@@ -102,6 +106,9 @@ class HttpFrontend:
             middlewares.append(http_middleware(ctx.api_keys, cfg.auth.open_paths))
         self._app = web.Application(client_max_size=self._max_body, middlewares=middlewares)
         self._app[MAX_BODY_KEY] = self._max_body
+        self._app[BODY_BUDGET_KEY] = BodyBudget(
+            cfg.limits.inflight_bytes_limit, ctx.metrics.requests.rejected
+        )
         self._app[BODY_TIMEOUT_KEY] = cfg.http.body_timeout_s
         self._app.on_response_prepare.append(self._on_response_prepare)
         self._add_routes()
@@ -237,7 +244,9 @@ class HttpFrontend:
             route("GET", base + "/config", self._model_config)
             route("GET", base + "/ready", self._model_ready)
             route("GET", base + "/stats", self._stats)
-        kit = RouteKit(route, self.counted, read_body, read_json_object, self._app)
+        kit = RouteKit(
+            route, self.counted, read_body, read_json_object, self._app, read_body_spooled
+        )
         add_generate_routes(kit, ctx)  # Triton's generate extension
         add_openai_routes(kit, ctx)
         add_admin_routes(kit, ctx)
@@ -449,27 +458,12 @@ async def read_body(request: web.Request) -> bytes:
     early. aiohttp's own decompression is off: it answers bad data with a plain
     text 400 and a closed connection, or lets ``read()`` raise (a 500).
     :class:`RequestTimeout` when it has not all arrived within ``http.body_timeout_s``
-    (the connection is closed after the answer).
+    (the connection is closed after the answer). :class:`QueueFull` (429) when
+    the bodies being held would pass ``limits.max_inflight_bytes``
+    (:mod:`~aserve.frontends.http.body_budget`).
     """
-    timeout_s = request.app[BODY_TIMEOUT_KEY]
-    try:
-        if request.content.is_eof():
-            # All of it has arrived (a small body comes with its headers): reading
-            # cannot wait, and a timer per request is not free.
-            raw = await request.read()
-        else:
-            async with asyncio.timeout(timeout_s):
-                raw = await request.read()
-    except TimeoutError:
-        request[CLOSE_AFTER_KEY] = True  # the rest of the body may still be coming
-        raise RequestTimeout(
-            f"request body not received within http.body_timeout_s ({timeout_s:g} s)"
-        ) from None
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise TooLarge(f"request body is over the limit max_request_bytes ({exc.text})") from None
-    except web.RequestPayloadError as exc:
-        raise InvalidArgument(f"request body cannot be read: {exc}") from None
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    raw = await _received(request, read_counted)
+    encoding = _content_encoding(request)
     if encoding in ("identity", ""):
         return raw
     if encoding not in _INFLATE_WBITS:
@@ -478,8 +472,51 @@ async def read_body(request: web.Request) -> bytes:
         )
     limit = request.app[MAX_BODY_KEY]
     if len(raw) > _INFLATE_ON_LOOP_BYTES:
-        return await asyncio.to_thread(_inflate, raw, encoding, limit)
-    return _inflate(raw, encoding, limit)
+        body = await asyncio.to_thread(_inflate, raw, encoding, limit)
+    else:
+        body = _inflate(raw, encoding, limit)
+    request.app[BODY_BUDGET_KEY].hold(request, len(body))
+    return body
+
+
+async def read_body_spooled(request: web.Request) -> bytes | SpooledBody:
+    """:func:`read_body`, but a body over ``spool.SPOOL_OVER_BYTES`` is written to an
+    unnamed temporary file as it arrives (:mod:`~aserve.frontends.http.spool`);
+    one with a Content-Encoding is inflated in memory as :func:`read_body` does."""
+    if _content_encoding(request) not in ("identity", ""):
+        return await read_body(request)
+    return await _received(request, read_spooled)
+
+
+_T = TypeVar("_T")
+
+
+async def _received(
+    request: web.Request, reader: Callable[[web.Request, BodyBudget, int], Awaitable[_T]]
+) -> _T:
+    """``reader``'s body, within ``http.body_timeout_s``, its errors as aserve's."""
+    timeout_s = request.app[BODY_TIMEOUT_KEY]
+    limit = request.app[MAX_BODY_KEY]
+    # Held against limits.max_inflight_bytes until its answer is sent (body_budget).
+    budget = request.app[BODY_BUDGET_KEY]
+    try:
+        if request.content.is_eof():
+            # All of it has arrived (a small body comes with its headers): reading
+            # cannot wait, and a timer per request is not free.
+            return await reader(request, budget, limit)
+        async with asyncio.timeout(timeout_s):
+            return await reader(request, budget, limit)
+    except TimeoutError:
+        request[CLOSE_AFTER_KEY] = True  # the rest of the body may still be coming
+        raise RequestTimeout(
+            f"request body not received within http.body_timeout_s ({timeout_s:g} s)"
+        ) from None
+    except web.RequestPayloadError as exc:
+        raise InvalidArgument(f"request body cannot be read: {exc}") from None
+
+
+def _content_encoding(request: web.Request) -> str:
+    return request.headers.get("Content-Encoding", "identity").strip().lower()
 
 
 async def read_json_object(request: web.Request, limit_bytes: int | None = None) -> dict[str, Any]:

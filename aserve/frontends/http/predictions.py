@@ -11,11 +11,11 @@ request's ``parameters``.
 Bounds, all checked before the handler sees anything: the model is looked up
 before the body is read (an unknown one costs no read); a Content-Length over
 ``limits.max_request_bytes`` is refused before reading, and so is a body that
-grows past it (chunked, or inflated from gzip/deflate); a multipart body
-has at most :data:`MAX_PARTS` parts, each with at most 16 header lines of
-8 KiB, and at most :data:`MAX_PREAMBLE_BYTES` before its first boundary.
-The multipart body is parsed from memory once it is whole (no part waits on
-the network), by aiohttp's reader on a thread.
+grows past it (chunked, or inflated from gzip/deflate); the bodies being
+read or served at once, all routes together, are bounded by
+``limits.max_inflight_bytes`` (429 past it). A multipart body is split once
+it is whole (no part waits on the network), on a thread, within the bounds
+of :mod:`aserve.frontends.http.multipart` (parts, header lines, preamble).
 
 Errors answer ``{"error": "..."}`` with the status of the README's table: a
 model that is not a python handler with ``preprocess_raw`` is a 400 naming
@@ -23,7 +23,7 @@ the route it takes instead. The request's timeout is the
 ``aserve-timeout-ms`` header's, else the model's default
 (:func:`aserve.frontends.common.resolve_deadline`).
 
-Frontends layer: the handler runs on the loop, the multipart parser on a thread.
+Frontends layer: the handler runs on the loop, the multipart split on a thread.
 """
 
 from __future__ import annotations
@@ -32,33 +32,20 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from aiohttp import hdrs, web
-from aiohttp.base_protocol import BaseProtocol
-from aiohttp.helpers import parse_mimetype
-from aiohttp.multipart import (
-    BodyPartReader,
-    MultipartReader,
-    content_disposition_filename,
-    parse_content_disposition,
-)
-from aiohttp.streams import StreamReader
 
 from aserve.engines.python_handler import Part
 from aserve.errors import AserveError, InvalidArgument, TooLarge
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline
 from aserve.frontends.http.kit import RUNTIME_KEY, RouteKit, error_response
+from aserve.frontends.http.multipart import split_parts
+from aserve.frontends.http.spool import SpooledBody
 from aserve.loop.runtimes.handler import HandlerRuntime
-from aserve.types.text import header_bytes, utf8_safe
+from aserve.types.text import utf8_safe
 
 if TYPE_CHECKING:
     from aserve.context import FrontendContext
     from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
-MAX_PARTS = 128  # parts of one multipart/form-data body
-MAX_PREAMBLE_BYTES = 1024  # before the first boundary (RFC 2046 allows some; nobody sends it)
-_MAX_PART_HEADERS = 16  # clients send two or three (Content-Disposition, -Type)
-_MAX_HEADER_LINE_BYTES = 8190
-_READ_CHUNK_BYTES = 256 * 1024
-_FEED_BYTES = 16 * 1024
 _DEFAULT_TYPE = "application/octet-stream"
 
 
@@ -71,7 +58,7 @@ def add_prediction_routes(kit: RouteKit, ctx: FrontendContext) -> None:
 class Predictions:
     def __init__(self, kit: RouteKit, ctx: FrontendContext) -> None:
         self._ctx = ctx
-        self._read_body = kit.read_body
+        self._read_body = kit.read_body_spooled
         self._max_body = ctx.config.limits.max_request_bytes
         self._max_timeout_s = ctx.config.limits.max_timeout_ms / 1e3
 
@@ -107,9 +94,16 @@ class Predictions:
             )
         content_type = utf8_safe(request.headers.get(hdrs.CONTENT_TYPE, _DEFAULT_TYPE))
         raw = await self._read_body(request)
-        body: bytes | list[Part] = raw
+        body: bytes | list[Part]
         if request.content_type == "multipart/form-data":
-            body = await read_parts(content_type, raw)
+            # On a thread: each part's data read (or copied) into its own bytes, and
+            # the whole body dropped, so the request holds its bytes about once.
+            body = await asyncio.to_thread(_split, content_type, raw)
+        elif isinstance(raw, SpooledBody):
+            body = await asyncio.to_thread(_read_back, raw)
+        else:
+            body = raw
+        del raw
         # Routing is looked up again after the last await before queueing: a
         # runtime a reload takes out of routing is drained once it is idle.
         runtime = self._runtime(request)
@@ -128,99 +122,15 @@ class Predictions:
         return web.Response(body=answer, headers={hdrs.CONTENT_TYPE: answer_type})
 
 
-async def read_parts(content_type: str, body: bytes) -> list[Part]:
-    """The parts of a whole ``multipart/form-data`` body; :class:`InvalidArgument`
-    when it is malformed, :class:`TooLarge` past :data:`MAX_PARTS`.
-
-    Parsed on a thread, on an event loop of its own: aiohttp's reader is
-    Python code that costs about a millisecond per part (its header and
-    Content-Disposition parsing) and half a second for 64 MiB of data.
-    """
-    return await asyncio.to_thread(asyncio.run, _parse(content_type, body))
+def _split(content_type: str, raw: bytes | SpooledBody) -> list[Part]:
+    """On a thread: the parts; a spooled body is closed (and so gone) after."""
+    if isinstance(raw, bytes):
+        return split_parts(content_type, raw)
+    with raw:
+        return split_parts(content_type, raw)
 
 
-async def _parse(content_type: str, body: bytes) -> list[Part]:
-    """On the thread's own loop."""
-    reader = _reader(content_type, body)
-    parts: list[Part] = []
-    try:
-        while True:
-            item = await reader.next()
-            if item is None:
-                break
-            if not isinstance(item, BodyPartReader):
-                raise InvalidArgument("multipart body: nested multipart parts are not supported")
-            chunks = []
-            while chunk := await item.read_chunk(_READ_CHUNK_BYTES):
-                chunks.append(chunk)
-            # Parsed once: aiohttp's name and filename properties parse it each.
-            _, params = parse_content_disposition(item.headers.get(hdrs.CONTENT_DISPOSITION))
-            name = content_disposition_filename(params, "name")
-            filename = content_disposition_filename(params, "filename")
-            ctype = item.headers.get(hdrs.CONTENT_TYPE)
-            # Header bytes that are not UTF-8 came as lone surrogates: the handler
-            # gets them as U+FFFD (text it can echo, log or label a metric with),
-            # the filename's bytes as sent apart.
-            parts.append(
-                Part(
-                    None if name is None else utf8_safe(name),
-                    None if filename is None else utf8_safe(filename),
-                    None if ctype is None else utf8_safe(ctype),
-                    b"".join(chunks),
-                    None if filename is None else header_bytes(filename),
-                )
-            )
-    except AserveError:
-        raise
-    except Exception as exc:  # aiohttp's parser: ValueError, AssertionError, BadHttpMessage...
-        why = str(getattr(exc, "message", None) or exc).strip() or type(exc).__name__
-        if why == "Reading after EOF":
-            why = "it ends before its closing boundary"
-        raise InvalidArgument(f"multipart body cannot be read: {why}") from None
-    if not parts:
-        raise InvalidArgument("multipart body has no parts")
-    return parts
-
-
-def _reader(content_type: str, body: bytes) -> MultipartReader:
-    """aiohttp's reader over ``body`` in memory, once the cheap bounds hold."""
-    try:
-        reader = MultipartReader(
-            {hdrs.CONTENT_TYPE: content_type},
-            _in_memory(body),
-            max_field_size=_MAX_HEADER_LINE_BYTES,
-            max_headers=_MAX_PART_HEADERS,
-        )
-    except (ValueError, AssertionError) as exc:
-        raise InvalidArgument(f"multipart body cannot be read: {exc}") from None
-    boundary = b"--" + parse_mimetype(content_type).parameters["boundary"].strip('"').encode()
-    # Counted at C speed before any line is parsed: the parser reads the
-    # preamble line by line, and each part costs its headers.
-    first = body.find(boundary)
-    if first < 0:
-        raise InvalidArgument(
-            "multipart body cannot be read: no boundary "
-            f"{boundary[2:].decode('latin-1')!r} (from its Content-Type) in it"
-        )
-    if first > MAX_PREAMBLE_BYTES:
-        raise InvalidArgument(
-            f"multipart body has {first} bytes before its first boundary, over the "
-            f"{MAX_PREAMBLE_BYTES} aserve reads"
-        )
-    if body.count(boundary) - 1 > MAX_PARTS:  # every part's delimiter, and the closing one
-        raise TooLarge(f"multipart body has over {MAX_PARTS} parts, the most aserve takes")
-    return reader
-
-
-def _in_memory(body: bytes) -> StreamReader:
-    loop = asyncio.get_running_loop()
-    # Its limit above the body's size: the whole body fits, so the stream never
-    # asks the (absent) transport to pause.
-    stream = StreamReader(BaseProtocol(loop), limit=len(body) + 1, loop=loop)
-    # Fed in pieces: the reader copies what is left of its current piece at each
-    # read, which over one piece of the whole body would cost the body per line.
-    view = memoryview(body)
-    for start in range(0, len(body), _FEED_BYTES):
-        stream.feed_data(bytes(view[start : start + _FEED_BYTES]))
-    stream.feed_eof()
-    return stream
+def _read_back(raw: SpooledBody) -> bytes:
+    """On a thread: a spooled raw body, whole (``pread`` lets go of the GIL)."""
+    with raw:
+        return raw.read(0, raw.size)
