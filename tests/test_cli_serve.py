@@ -225,6 +225,37 @@ def test_api_key_file_is_required_by_the_server(model_dir: Path, tmp_path: Path)
         srv.stop()
 
 
+def test_admin_key_file_opens_the_repository_api_to_its_keys_alone(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    import urllib.error
+    import urllib.request
+
+    (tmp_path / "keys.txt").write_text("inference-key\n")
+    (tmp_path / "admin.txt").write_text("admin-key\n")
+    srv = serve(
+        str(model_dir / "pair.pt2"), "--no-grpc", "--api-key-file", str(tmp_path / "keys.txt"),
+        "--admin-key-file", str(tmp_path / "admin.txt"),
+    )  # fmt: skip
+
+    def index(key: str) -> int:
+        req = urllib.request.Request(
+            srv.base + "/v2/repository/index", data=b"{}",
+            headers={"Authorization": f"Bearer {key}"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        assert index("inference-key") == 403
+        assert index("admin-key") == 200
+    finally:
+        srv.stop()
+
+
 BAD = [
     (["{pt}", "--input", "INPUT0", "--output", "OUTPUT0:FP32:16"],
      "--input INPUT0: expected NAME:DTYPE:SHAPE"),
@@ -246,6 +277,7 @@ BAD = [
     (["{pt2}", "--port", "70000"], "--port: must be <= 65535"),
     (["{pt2}", "--max-concurrency", "0"], "--max-concurrency: must be >= 1"),
     (["{pt2}", "--api-key-file", "/nonexistent/keys"], "--api-key-file /nonexistent/keys: no such"),
+    (["{pt2}", "--admin-key-file", "/nonexistent/keys"], "--admin-key-file /nonexistent/keys: no such"),
     (["{pt2}", "--port", "x"], "--port: invalid int value: 'x'"),
     (["{pt2}", "--no-grpc", "--grpc-port", "1"], "not allowed with argument"),
     (["{lm}", "--max-delay-ms", "5"], "--max-delay-ms: not for engine 'decoder'"),
@@ -295,6 +327,7 @@ def test_every_flag_lands_in_its_config_key(
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "keys.txt").write_text("k\n")
+    (tmp_path / "admin.txt").write_text("a\n")
     rc = main([
         "serve", str(model_dir / "affine.pt"), "--input", "INPUT0:FP32:16",
         "--output", "OUTPUT0:FP32:16", "--host", "0.0.0.0", "--port", "9000",
@@ -303,7 +336,7 @@ def test_every_flag_lands_in_its_config_key(
         "--max-delay-ms", "3", "--preferred-batch-sizes", "4,8", "--max-queue-size", "100",
         "--timeout-ms", "2500", "--max-connections", "50", "--max-concurrency", "40",
         "--gpu-mem-limit-mib", "1000", "--empty-cache-interval-s", "30",
-        "--api-key-file", "keys.txt", "--print-config",
+        "--api-key-file", "keys.txt", "--admin-key-file", "admin.txt", "--print-config",
     ])  # fmt: skip
     out, err = capsys.readouterr()
     assert rc == 0, err
@@ -314,7 +347,10 @@ def test_every_flag_lands_in_its_config_key(
         "grpc": {"host": "0.0.0.0", "port": 9001},
         "limits": {"max_connections": 50, "max_concurrency": 40},
         "gpu": {"mem_limit_mib": 1000, "empty_cache_interval_s": 30.0},
-        "auth": {"api_keys_file": str(tmp_path / "keys.txt")},
+        "auth": {
+            "api_keys_file": str(tmp_path / "keys.txt"),
+            "admin_keys_file": str(tmp_path / "admin.txt"),
+        },
     }
     assert model == {
         "name": "lin", "engine": "torch", "path": str(model_dir / "affine.pt"),

@@ -37,6 +37,7 @@ FLAGS: dict[tuple[Any, ...], str] = {
     ("gpu", "mem_limit_mib"): "--gpu-mem-limit-mib",
     ("gpu", "empty_cache_interval_s"): "--empty-cache-interval-s",
     ("auth",): "--api-key-file",
+    ("auth", "admin_keys_file"): "--admin-key-file",
     ("models", 0, "name"): "--name",
     ("models", 0, "device"): "--device",
     ("models", 0, "instances"): "--instances",
@@ -128,6 +129,12 @@ def add_parser(sub: Any) -> None:
         type=Path,
         metavar="FILE",
         help="API keys, one a line: requests need 'Authorization: Bearer KEY'",
+    )
+    g.add_argument(
+        "--admin-key-file",
+        type=Path,
+        metavar="FILE",
+        help="admin API keys, one a line: the repository API and /v2/config need one",
     )
     p.add_argument(
         "--print-config",
@@ -382,10 +389,15 @@ def _server_keys(args: argparse.Namespace, data: dict[str, Any]) -> None:
     }
     if gpu:
         data["gpu"] = {**data.get("gpu", {}), **gpu}
-    if args.api_key_file is not None:
-        if not args.api_key_file.is_file():
-            raise UsageError(f"--api-key-file {args.api_key_file}: no such file")
-        data["auth"] = {"api_keys_file": str(args.api_key_file.absolute())}
+    for flag, path, key in (
+        ("--api-key-file", args.api_key_file, "api_keys_file"),
+        ("--admin-key-file", args.admin_key_file, "admin_keys_file"),
+    ):
+        if path is None:
+            continue
+        if not path.is_file():
+            raise UsageError(f"{flag} {path}: no such file")
+        data["auth"] = {**data.get("auth", {}), key: str(path.absolute())}
 
 
 def _spec(flag: str, text: str) -> dict[str, Any]:
