@@ -233,7 +233,7 @@ async def _big_grpc(target: str) -> None:
                 apb.GenerateRequest(model_name="gpt2", prompt_token_ids=range(BIG_IDS)),
                 grpc.StatusCode.INVALID_ARGUMENT,
             ),
-            (many, grpc.StatusCode.RESOURCE_EXHAUSTED),  # counted before copied
+            (many, grpc.StatusCode.INVALID_ARGUMENT),  # counted before copied
             (
                 apb.GenerateRequest(model_name="gpt2", messages=[apb.ChatMessage(role="user", content=text)]),
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -436,3 +436,56 @@ async def test_a_full_queue_refuses_before_the_prompt_is_tokenized(small: Server
         assert "max_queue_size" in text, text[:300]
     for status, text in room:
         assert status == 400 and "max_model_len" in text, (status, text[:300])
+
+
+# --- many empty chat messages: counted, and rendered off the loop ------------------------
+
+MANY_CLIENTS = 8
+MANY_ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """gpt2 with the prompt byte limit of a 2048-token model (64 KiB): a chat of
+    thousands of empty messages is under it."""
+    server = start_gpt2_server(tmp_path_factory, "gen-many-messages", max_prompt_bytes=65536)
+    yield server
+    server.stop()
+
+
+async def test_many_empty_messages_are_refused_by_count_or_rendered_off_the_loop(
+    wide: ServerProcess,
+) -> None:
+    """2,040 empty messages (a 67 KB body, 0 characters of text) are over
+    generation.max_chat_messages: 400 naming it. 1,000 are under it, and are
+    16 KB by the structure counted, so they are rendered and tokenized off the
+    loop (their prompt is then too long for the model: 400 naming
+    max_model_len). Eight clients send them back to back while a victim
+    streams; the loop stays live and the victim's text is what it is alone."""
+    over = orjson.dumps({"model": "gpt2", "messages": [{"role": "user", "content": ""}] * 2040})
+    under = orjson.dumps({"model": "gpt2", "messages": [{"role": "user", "content": ""}] * 1000})
+    headers = {"Content-Type": "application/json"}
+    url = wide.base + "/v1/chat/completions"
+    answers: list[tuple[int, str]] = []
+    async with aiohttp.ClientSession() as session:
+
+        async def client() -> None:
+            for _ in range(MANY_ROUNDS):
+                for body in (over, under):
+                    async with session.post(url, data=body, headers=headers) as r:
+                        answers.append((r.status, await r.text()))
+
+        victim = "victim number 0 says"
+        alone = await _victim(session, wide.base, victim)
+        async with watch_loop(wide.base):
+            results = await asyncio.gather(
+                _victim(session, wide.base, victim), *(client() for _ in range(MANY_CLIENTS))
+            )
+        assert results[0] == alone
+    assert len(answers) == 2 * MANY_CLIENTS * MANY_ROUNDS
+    refused = [text for status, text in answers if "max_chat_messages" in text]
+    rendered = [text for status, text in answers if "max_model_len" in text]
+    assert all(status == 400 for status, _ in answers), answers[:2]
+    assert len(refused) == len(rendered) == MANY_CLIENTS * MANY_ROUNDS, answers[:2]
+    assert "messages: 2040 messages, over the limit generation.max_chat_messages 1024" in refused[0]
+    assert orjson.loads(refused[0])["error"]["param"] == "messages"

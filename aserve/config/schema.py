@@ -255,6 +255,24 @@ class GenerationConfig(_Frozen):
     tokenized; a larger one is refused (413) before any tokenizing. None:
     ``PROMPT_BYTES_PER_TOKEN`` x ``max_model_len``, more than any prompt that
     fits in ``max_model_len`` tokens takes in practice."""
+    max_chat_messages: Annotated[int, Field(ge=1)] = 1024
+    """Most messages a chat request may hold; more are refused (400) before
+    they are read one by one. A chat template writes a role and markers for
+    each, so the prompt of a longer chat would not fit in most models' context
+    anyway; raise it for a model with a long context and a chat that needs it."""
+    max_chat_template_steps: Annotated[int, Field(ge=1)] = 1_000_000
+    """Most steps the model's chat template may take to render one chat (a
+    step: a turn of a loop, a call, a lookup, an operator, a filter, a piece
+    of output); past it the chat is refused (400). A real template takes some
+    tens per message; a template that loops for ever stops here."""
+    max_chat_template_chars: Annotated[int | None, Field(ge=1)] = None
+    """Longest prompt the chat template may write, and largest value (string
+    characters, or a container's items) it may make while it runs; past it the
+    chat is refused (400). All the text it makes may come to 16 times this.
+    None: twice ``max_prompt_bytes``'s limit, at least 1 MiB."""
+    chat_template_timeout_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1000.0
+    """Longest one render of the chat template may run (on a worker thread, never
+    on the event loop); past it the chat is refused (400)."""
     timeout_ms: Annotated[float, Field(gt=0)] = 300_000.0
     """Deadline of a whole generation, waiting included, unless the request sets one."""
     stream_buffer_chunks: Annotated[int, Field(ge=1)] = 32
@@ -287,6 +305,13 @@ class GenerationConfig(_Frozen):
         reads it on the loop, where a property would be a call per request.
         """
         return self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.max_model_len
+
+    @property
+    def chat_template_chars_limit(self) -> int:
+        """``max_chat_template_chars``, or what it defaults to (read at load)."""
+        if self.max_chat_template_chars is not None:
+            return self.max_chat_template_chars
+        return max(2 * self.prompt_bytes_limit, _MiB)
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> GenerationConfig:

@@ -9,9 +9,14 @@ it, before any per-character or per-token step:
   (413);
 - token ids by their count, which must leave room to generate within
   ``max_model_len`` (400);
-- a chat by its messages' text bytes plus :data:`MESSAGE_BYTES` per message
-  and per content part (a template writes a role and markers for each),
-  against the same byte limit; counting stops as soon as it is over.
+- a chat by its number of messages, against ``generation.max_chat_messages``
+  (400), then by its messages' text bytes plus :data:`MESSAGE_BYTES` per
+  message and per content part (a template writes a role and markers for
+  each), against the same byte limit; counting stops as soon as it is over.
+
+The size measured is returned: it is what the prompt will cost to render and
+tokenize, structure counted (:mod:`aserve.loop.runtimes.generation` decides
+from it whether that work is small enough to do on the loop).
 
 Before any of that, an HTTP generation body is refused by its size
 (:func:`body_limit`) before it is parsed.
@@ -26,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aserve.config import GenerationConfig
-from aserve.errors import TooLarge
+from aserve.errors import InvalidArgument, TooLarge
 from aserve.types.generation import SequenceTooLong
 
 MESSAGE_BYTES = 16
@@ -44,11 +49,15 @@ def body_limit(gen: GenerationConfig) -> int:
     return BODY_BYTES_PER_PROMPT_BYTE * gen.prompt_bytes_limit + BODY_SLACK_BYTES
 
 
-def check_prompt_size(gen: GenerationConfig, prompt: Any = None, messages: Any = None) -> None:
+def check_prompt_size(gen: GenerationConfig, prompt: Any = None, messages: Any = None) -> int:
     """Refuse a prompt (text, token ids, or a chat's messages; raw as decoded from
     the wire, or already parsed) that is over its limits; anything of another
-    type is left to the route's own validation."""
+    type is left to the route's own validation (and measures 0).
+
+    Returns the size measured: a text's UTF-8 bytes, the count of token ids,
+    or a chat's bytes with :data:`MESSAGE_BYTES` per message and part."""
     limit = gen.prompt_bytes_limit
+    size = 0
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # OpenAI's list of one prompt
     if isinstance(prompt, str):
@@ -57,12 +66,19 @@ def check_prompt_size(gen: GenerationConfig, prompt: Any = None, messages: Any =
             raise TooLarge(
                 f"prompt: at least {size} bytes, over the limit generation.max_prompt_bytes {limit}"
             )
-    elif isinstance(prompt, Sequence) and len(prompt) >= gen.max_model_len:  # token ids
-        raise SequenceTooLong(
-            f"prompt: {len(prompt)} tokens leave no room to generate within "
-            f"max_model_len ({gen.max_model_len})"
-        )
+    elif isinstance(prompt, Sequence):  # token ids
+        size = len(prompt)
+        if size >= gen.max_model_len:
+            raise SequenceTooLong(
+                f"prompt: {size} tokens leave no room to generate within "
+                f"max_model_len ({gen.max_model_len})"
+            )
     if isinstance(messages, Sequence) and not isinstance(messages, str):
+        if len(messages) > gen.max_chat_messages:
+            raise InvalidArgument(
+                f"messages: {len(messages)} messages, over the limit "
+                f"generation.max_chat_messages {gen.max_chat_messages}"
+            )
         size = chat_bytes(messages, limit)
         if size > limit:
             raise TooLarge(
@@ -70,6 +86,7 @@ def check_prompt_size(gen: GenerationConfig, prompt: Any = None, messages: Any =
                 f"the limit generation.max_prompt_bytes {limit} (each message counts "
                 f"{MESSAGE_BYTES} bytes besides its text)"
             )
+    return size
 
 
 def text_bytes(text: str, limit: int) -> int:

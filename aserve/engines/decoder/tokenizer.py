@@ -6,24 +6,23 @@ often list a chat turn's end token in only one of them.
 
 Chat formatting uses the model's Jinja ``chat_template`` (from
 ``tokenizer_config.json`` or a ``chat_template.jinja`` file beside it) in a
-sandbox. A model without one gets :data:`DEFAULT_CHAT_FORMAT`: each message
+sandbox that bounds its cost (:mod:`aserve.engines.decoder.chat_template`).
+A model without one gets :data:`DEFAULT_CHAT_FORMAT`: each message
 as ``role: content`` on its own line, then ``assistant:`` when a generation
 prompt is asked for.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from aserve.config.schema import CheckpointLimits
+from aserve.engines.decoder.chat_template import ChatTemplate, RenderBudget, TemplateBounds
 from aserve.engines.decoder.checkpoint import read_bounded, read_json
 from aserve.engines.decoder.detokenizer import IncrementalDetokenizer
 from aserve.engines.decoder.spec import CheckpointError
@@ -51,12 +50,8 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.has_chat_template = chat_template is not None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         # Compiled once: a broken template fails at load, not on the first request.
-        self._template = env.from_string(chat_template or DEFAULT_CHAT_FORMAT)
+        self._template = ChatTemplate(chat_template or DEFAULT_CHAT_FORMAT)
 
     @classmethod
     def load(cls, folder: str | Path, limits: CheckpointLimits | None = None) -> Tokenizer:
@@ -132,24 +127,25 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        budget: RenderBudget | None = None,
         **extra: Any,
     ) -> str:
         """The prompt text for a chat; encode it with ``add_special_tokens=False``
         (templates write their own BOS). :class:`InvalidArgument` when the
-        template rejects the messages."""
+        template rejects the messages, or runs past ``budget`` (default:
+        :class:`TemplateBounds`'s defaults); a model's own template runs as
+        long as its budget lets it, so call this on a worker thread."""
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or "role" not in m:
                 raise InvalidArgument(f"messages[{i}]: a message needs a 'role'")
-        try:
-            return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **extra,
-            )
-        except TemplateError as exc:
-            raise InvalidArgument(f"messages: the chat template failed: {exc}") from None
+        return self._template.render_threadsafe(
+            budget or RenderBudget(TemplateBounds()),
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **extra,
+        )
 
 
 def _optional_json(path: Path, limits: CheckpointLimits) -> dict[str, Any]:
@@ -169,12 +165,3 @@ def _ids(value: Any) -> set[int]:
     if isinstance(value, list):
         return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
     return set()
-
-
-def _tojson(value: Any, indent: int | None = None) -> str:
-    # Templates use tojson for tool schemas; jinja2's own escapes HTML characters.
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def _raise(message: str) -> None:
-    raise TemplateError(message)

@@ -20,9 +20,11 @@ request parameters) with the whole generated text.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +50,7 @@ from aserve.workers.step_process import ProcessStepExecutor, WorkerArgs
 if TYPE_CHECKING:
     from aserve.engines.decoder import DecoderEngine, Tokenizer
     from aserve.engines.decoder import Sequence as EngineSequence
+    from aserve.engines.decoder.chat_template import RenderBudget
     from aserve.loop.registry import ModelRegistry
 
 log = logging.getLogger("aserve.model")
@@ -56,8 +59,11 @@ PLATFORM = "aserve_decoder"
 BACKEND = "aserve_decoder"
 TEXT_INPUT = "text_input"
 TEXT_OUTPUT = "text_output"
-# Longer prompts are tokenized (and chats rendered) in a worker thread, not on the loop.
-_INLINE_PROMPT_CHARS = 2048
+# Larger prompts (UTF-8 bytes; a chat's structure counted, as prompt_size
+# measures it) are tokenized, and chats rendered, in a worker thread, not on the
+# loop. A model's own chat template always renders there: its cost is the
+# model's code, bounded by its budget, not by the request.
+_INLINE_PROMPT_BYTES = 2048
 
 
 class GenerationRuntime(Runtime):
@@ -77,6 +83,11 @@ class GenerationRuntime(Runtime):
         self._executor: StepExecutor | ProcessStepExecutor | None = None
         self.batcher: ContinuousBatcher | None = None
         self._preparing = 0  # requests tokenizing in a worker thread
+        # Chats render on a thread of the model's own: a template that runs to
+        # its budget ties up that thread only, never the loop's default executor.
+        self._template_thread: ThreadPoolExecutor | None = None
+        self._new_budget: Callable[[], RenderBudget] | None = None
+        self._renders: set[RenderBudget] = set()  # in flight, cancelled at stop
 
     @staticmethod
     def timeout_of(config: ModelConfig) -> float:
@@ -108,6 +119,11 @@ class GenerationRuntime(Runtime):
         # Here, not at the top: the decoder imports torch, and the frontends that
         # route to this runtime must import without it (tests/test_torch_free.py).
         from aserve.engines.decoder import DecoderEngine
+        from aserve.engines.decoder.chat_template import RenderBudget, TemplateBounds
+
+        bounds = TemplateBounds.of(c.generation)
+        self._new_budget = lambda: RenderBudget(bounds)
+        self._template_thread = ThreadPoolExecutor(1, f"chat-template-{self.label}")
 
         engine = DecoderEngine(path, c.generation, c.device, c.dtype, c.cpu_threads)
         executor: StepExecutor | ProcessStepExecutor
@@ -165,7 +181,10 @@ class GenerationRuntime(Runtime):
         (QueueFull), before any per-token work. The prompt's size is checked
         first (:mod:`aserve.loop.prompt_size`). Short prompts are handled right here;
         long ones in a worker thread, tokenized with the GIL given up, so that
-        the loop is not held up.
+        the loop is not held up. A chat the model's own template renders is
+        always rendered on the model's template thread, within the bounds of
+        :class:`~aserve.engines.decoder.chat_template.TemplateBounds`; if the
+        request is cancelled meanwhile, so is its render.
         """
         # The state alone: a request waits out a step process's restart. (Spelled
         # out rather than through the base's state_reason(): it runs per request.)
@@ -176,19 +195,32 @@ class GenerationRuntime(Runtime):
         # taken from the running streams. generate() checks again.
         if self.batcher is not None:
             self.batcher.check_room()
-        check_prompt_size(self.generation, prompt, messages)
-        size = (
-            len(prompt)
-            if prompt is not None
-            else sum(len(str(m.get("content", ""))) for m in messages or ())
-        )
-        if size <= _INLINE_PROMPT_CHARS:
+        size = check_prompt_size(self.generation, prompt, messages)
+        own_template = messages is not None and self._engine.tokenizer.has_chat_template
+        if size <= _INLINE_PROMPT_BYTES and not own_template:
             return self._prepare(params, prompt, messages, client_id)
         self._preparing += 1  # busy: a drain waits for it to be queued
         try:
-            return await asyncio.to_thread(self._prepare, params, prompt, messages, client_id, True)
+            if messages is None:
+                return await asyncio.to_thread(self._prepare, params, prompt, None, client_id, True)
+            return await self._prepare_chat_off_loop(params, messages, client_id)
         finally:
             self._preparing -= 1
+
+    async def _prepare_chat_off_loop(
+        self, params: SamplingParams, messages: Sequence[Mapping[str, Any]], client_id: str | None
+    ) -> EngineSequence:
+        assert self._template_thread is not None and self._new_budget is not None
+        budget = self._new_budget()
+        render = functools.partial(self._prepare, params, None, messages, client_id, True, budget)
+        self._renders.add(budget)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._template_thread, render)
+        except asyncio.CancelledError:
+            budget.cancel()  # the render stops at its next step
+            raise
+        finally:
+            self._renders.discard(budget)
 
     def _prepare(
         self,
@@ -197,11 +229,14 @@ class GenerationRuntime(Runtime):
         messages: Sequence[Mapping[str, Any]] | None,
         client_id: str | None,
         off_loop: bool = False,
+        budget: RenderBudget | None = None,
     ) -> EngineSequence:
-        assert self._engine is not None
+        assert self._engine is not None and self._new_budget is not None
         tok = self._engine.tokenizer
         if messages is not None:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=True, budget=budget or self._new_budget()
+            )
             # A model's own template writes its special tokens (BOS); the
             # plain default format has none, so the tokenizer adds them.
             prompt = tok.encode(
@@ -294,12 +329,18 @@ class GenerationRuntime(Runtime):
         doc = self.stats.as_dict(b.waiting if b else 0, int(b.step_in_flight) if b else 0)
         if b is not None:
             doc["generation"] = b.statistics()
+            # Requests whose prompt is being tokenized (or chat rendered) off the loop.
+            doc["generation"]["preparing_sequence_count"] = self._preparing
         return doc
 
     async def _stop(self) -> None:
         """End what is queued or running, stop the step thread or process, free the model."""
         if self.batcher is not None:
             self.batcher.close()
+        for budget in self._renders:
+            budget.cancel()
+        if self._template_thread is not None:
+            self._template_thread.shutdown(wait=False, cancel_futures=True)
         if self._executor is not None:
             await self._executor.stop()
         if self._engine is not None:
