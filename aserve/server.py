@@ -5,11 +5,18 @@ frontends (handing them a :class:`~aserve.context.FrontendContext`), the
 metrics and the reloader, and runs on the loop.
 
 Startup binds the listeners first, then loads and warms every model before
-readiness turns true. SIGINT or SIGTERM starts a graceful stop (see
-:meth:`Server.drain`): readiness turns false on HTTP and gRPC, the server
-serves on for ``drain_grace_s``, the listeners close, every request read is
-answered (bounded by ``drain_timeout_s``), then the models unload in reverse
-order of loading. A second signal skips the wait.
+readiness turns true; each load is given up after its ``load_timeout_s``.
+SIGINT or SIGTERM starts a graceful stop (see :meth:`Server.drain`):
+readiness turns false on HTTP and gRPC, the server serves on for
+``drain_grace_s``, the listeners close, every request read is answered
+(bounded by ``drain_timeout_s``), then the models unload in reverse order of
+loading. A signal during startup gives the loads in progress up and stops.
+
+The stop is bounded whatever the models do (:class:`StopDeadline`): past
+``drain_grace_s + drain_timeout_s +`` :data:`STOP_MARGIN_S`, and at once on a
+second signal, the process kills its children and ends with status 1. It
+ends with status 1 too when a thread had to be left running (a load or a
+batch stuck in a model: see :mod:`aserve.workers.offload`).
 
 While ready, the config file is watched and SIGHUP re-reads it; changes are
 applied by :class:`aserve.loop.reload.Reloader` without a restart.
@@ -39,8 +46,13 @@ from aserve.obs.fd_limit import raise_open_file_limit
 from aserve.obs.metrics import Metrics
 from aserve.obs.registration import Registration
 from aserve.workers import supervisor
+from aserve.workers.last_resort import StopDeadline
 
 log = logging.getLogger("aserve.server")
+
+# What a stop may take past drain_grace_s + drain_timeout_s (the cut-off of what
+# still runs, the gRPC grace, unloading every model) before the process is ended.
+STOP_MARGIN_S = 30.0
 
 
 class ServerState(enum.Enum):
@@ -81,7 +93,10 @@ class Server:
         self._stop_requested: asyncio.Event | None = None
         self._cache_releaser: asyncio.Task[None] | None = None
         self._listening = False  # both frontends' sockets are bound
+        self._was_ready = False
+        self._signalled = False
         self.registration = Registration(self)  # this server's entry for `aserve ps`
+        self.stop_deadline = StopDeadline(self.registration.remove_threadsafe)
 
     def not_ready_reason(self) -> str | None:
         """Why the server is not ready, or None when it is."""
@@ -100,7 +115,16 @@ class Server:
             create_runtime(m, self.base_dir, self.registry, self.config.gpu)
             for m in self.config.models
         ]
-        results = await asyncio.gather(*(rt.load() for rt in runtimes), return_exceptions=True)
+        timeouts = [self.config.load_timeout_of(rt.config) for rt in runtimes]
+        with self.reloader.loading(runtimes, timeouts):
+            try:
+                results = await asyncio.gather(
+                    *(rt.load_within(t) for rt, t in zip(runtimes, timeouts, strict=True)),
+                    return_exceptions=True,
+                )
+            except asyncio.CancelledError:  # a signal: the loads were given up
+                await asyncio.gather(*(rt.unload() for rt in runtimes), return_exceptions=True)
+                raise
         await asyncio.to_thread(supervisor.stop_early)  # started early for none of them
         failed = [
             f"model '{rt.label}' failed to load: {result}"
@@ -113,6 +137,7 @@ class Server:
         self.registry.swap(add=runtimes)
         self.registry.starting = False
         self.state = ServerState.READY
+        self._was_ready = True
         self.metrics.start()
         if self.grpc is not None:
             await self.grpc.update_health()
@@ -148,17 +173,45 @@ class Server:
             loop.add_signal_handler(sig, self._on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self.reloader.on_sighup)
         try:
-            await self.start()
+            await self._start_unless_stopped()
             await self._stop_requested.wait()
         finally:
+            # Here, not in stop(): the process is this server's only when it runs
+            # this way (a test or an application may start and stop it in its own).
+            grace = self.config.drain_grace_s if self._was_ready else 0.0
+            self.stop_deadline.arm(
+                grace + self.config.drain_timeout_s + STOP_MARGIN_S,
+                f"drain_grace_s {grace:g} + drain_timeout_s {self.config.drain_timeout_s:g} + "
+                f"{STOP_MARGIN_S:g} s",
+            )
             await self.stop()
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
 
+    async def _start_unless_stopped(self) -> None:
+        """:meth:`start`, unless a signal comes first: then the loads in progress
+        are given up (their runtimes unloaded) and this returns, to stop."""
+        assert self._stop_requested is not None
+        starting = asyncio.ensure_future(self.start())
+        stopping = asyncio.ensure_future(self._stop_requested.wait())
+        try:
+            await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not starting.done():
+                log.info("stopping while the models load: their loads are given up")
+                starting.cancel()
+                await asyncio.wait([starting])
+        if not starting.cancelled():
+            starting.result()  # StartupError
+
     def _on_signal(self, sig: signal.Signals) -> None:
-        if self.state is ServerState.DRAINING:
-            log.warning("second %s: stopping without waiting for in-flight requests", sig.name)
-            raise SystemExit(1)
+        if self._signalled:
+            # Not SystemExit: the loop's close would wait for threads that may never end.
+            self.stop_deadline.exit_now(
+                f"second {sig.name}: stopping without waiting for in-flight requests"
+            )
+        self._signalled = True
         log.info("%s received: draining", sig.name)
         assert self._stop_requested is not None
         self._stop_requested.set()
@@ -201,7 +254,8 @@ class Server:
            generation streams end with a final error event and what still runs
            is cancelled ``CUT_OFF_S`` later. Models stay loaded until after.
         """
-        grace = self.config.drain_grace_s
+        # A server that never was ready is in no load balancer's rotation: no grace.
+        grace = self.config.drain_grace_s if self._was_ready else 0.0
         if grace > 0:
             log.info("not ready; serving on for drain_grace_s (%g s)", grace)
             await asyncio.sleep(grace)

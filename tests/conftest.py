@@ -115,8 +115,10 @@ def start_server(
     extra_env: dict[str, str] | None = None,
     extra_args: tuple[str, ...] = (),
     argv: list[str] | None = None,
+    ready: bool = True,
 ) -> ServerProcess:
-    """Start ``python -m aserve --config`` on a free port; wait until it is ready.
+    """Start ``python -m aserve --config`` on a free port; wait until it is ready
+    (with ``ready`` False, only until it listens: its models may still load).
 
     With ``argv`` (and no config), ``python -m aserve *argv`` instead: it names the
     port (``--port 0``) and gRPC (``--grpc-port 0`` or ``--no-grpc``) itself."""
@@ -157,6 +159,8 @@ def start_server(
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"server did not start:\n{server.log_text()}")
+    if not ready:
+        return server
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(server.base + "/v2/health/ready", timeout=2) as r:

@@ -11,7 +11,7 @@ from aserve import __version__
 from aserve.config import ServerConfig
 from aserve.engines import builtin
 from aserve.loop.reload import ConfigSource
-from aserve.workers import batch_process
+from aserve.workers import batch_process, last_resort, offload
 
 log = logging.getLogger("aserve")
 
@@ -19,7 +19,12 @@ log = logging.getLogger("aserve")
 def run_server(
     config: ServerConfig, base_dir: Path, source: ConfigSource | None, what: str | Path
 ) -> int:
-    """Serve until SIGINT/SIGTERM; the exit status (1: it could not start)."""
+    """Serve until SIGINT/SIGTERM; the exit status (1: it could not start).
+
+    A process that still has threads it could not stop (a load or a batch
+    stuck in a model) does not return: it ends with ``os._exit(1)`` here, as
+    an interpreter that finalises under them would hang or abort.
+    """
     from aserve.commands.preflight import address_in_use
 
     # Before the imports below (torch among them): a port in use fails in milliseconds.
@@ -37,14 +42,21 @@ def run_server(
     else:
         runner = uvloop.run
     log.info("aserve %s starting with %s", __version__, what)
+    status = 0
     try:
         runner(Server(config, base_dir, source).run())
     except StartupError as exc:
         print(f"aserve: error: {exc}", file=sys.stderr)
-        return 1
+        status = 1
     except KeyboardInterrupt:
-        return 0
-    return 0
+        pass
+    left = offload.left_behind()
+    if left:
+        last_resort.exit_now(
+            f"stopped, but {len(left)} thread(s) could not be stopped and are still running "
+            f"(a thread cannot be interrupted): {'; '.join(left)}"
+        )
+    return status
 
 
 def start_workers_early(config: ServerConfig, base_dir: Path) -> None:

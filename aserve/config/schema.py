@@ -370,6 +370,9 @@ class ModelConfig(_Frozen):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # decoder only
     precision: Literal["fp32", "fp16"] = "fp32"  # tensorrt only: of an engine built from .onnx
     cuda_graphs: bool = False  # torch on CUDA only: replay captured graphs per batch size
+    load_timeout_s: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+    """Longest this model's load and warm-up may take (default: the server's
+    ``load_timeout_s``); past it the model fails to load, with that reason."""
 
     @field_validator("inputs", "outputs")
     @classmethod
@@ -606,11 +609,21 @@ class ServerConfig(_Frozen):
     its listeners close (load balancers take it out of rotation meanwhile)."""
     drain_timeout_s: Annotated[float, Field(ge=0)] = 30.0
     """Then: how long the requests in flight get to be answered."""
+    load_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
+    """Longest a model's load and warm-up may take, unless its own
+    ``load_timeout_s`` says otherwise; past it the model fails to load (at
+    startup the server exits 1, on a reload the change is rejected). Ten
+    minutes: a large model read from a network volume or a TensorRT engine
+    built from ONNX can take several; raise it for those."""
     gpu: GpuConfig = GpuConfig()
     logging: LoggingConfig = LoggingConfig()
     dashboard: DashboardConfig = DashboardConfig()
     archives: ArchivesConfig = ArchivesConfig()
     models: list[ModelConfig] = []
+
+    def load_timeout_of(self, model: ModelConfig) -> float:
+        """Seconds ``model``'s load and warm-up may take: its own setting, else the server's."""
+        return model.load_timeout_s if model.load_timeout_s is not None else self.load_timeout_s
 
     @model_validator(mode="after")
     def _unique_models(self) -> ServerConfig:

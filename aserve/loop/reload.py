@@ -19,16 +19,24 @@ in :class:`ReloadStatus` for ``GET /v2/config/status``.
 
 Sections that only a restart can apply (listeners, limits, drain timeout, gpu)
 are compared with what the server started with and reported, not applied.
+
+Each new runtime's load and warm-up is bounded by its ``load_timeout_s``; a
+load past it fails the change like any other failed load. Who waits for a
+change in progress is :class:`aserve.loop.changes.ChangeSlot`'s call: a newer
+config file supersedes it at once, a repository call waits a few seconds at
+most.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import hashlib
 import logging
 import os
-from collections.abc import Coroutine, Iterable
+import time
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -39,8 +47,10 @@ from aserve.config import ConfigError, ModelConfig, ServerConfig, archive_cache,
 from aserve.engines.checks import check_model_files
 from aserve.errors import InternalError, NotFound, Unavailable
 from aserve.loop.archive_sweep import ArchiveSweeper
+from aserve.loop.changes import ChangeGivenUp, ChangeSlot
 from aserve.loop.runtimes.base import Runtime
 from aserve.loop.runtimes.factory import create_runtime
+from aserve.workers.offload import run_off_loop
 
 if TYPE_CHECKING:
     from aserve.server import Server
@@ -110,6 +120,8 @@ class ReloadStatus:
         self.last_error: dict[str, Any] | None = None
         self.restart_required: list[str] = []
         self.counts = {"ok": 0, "rejected": 0, "unchanged": 0}
+        # The change in progress and its loads, as a document (None: none).
+        self.in_progress: Callable[[], dict[str, Any] | None] = lambda: None
 
     def record(
         self,
@@ -137,6 +149,7 @@ class ReloadStatus:
             "last_error": self.last_error,
             "restart_required": self.restart_required,
             "reloads": dict(self.counts),
+            "in_progress": self.in_progress(),
             "models": models,
         }
 
@@ -161,6 +174,10 @@ class Reloader:
         self._retiring: set[asyncio.Task[None]] = set()  # drain-then-unload of old runtimes
         self._draining: set[Runtime] = set()  # the runtimes of those tasks
         self._sweeper = ArchiveSweeper(self._lock, self._archive_roots, self._spawn)
+        self._slot = ChangeSlot(self._lock, self._reject)
+        self.status.in_progress = self._slot.progress_doc
+        # Why each model version of the config in force last failed to load, until it loads.
+        self.failed: dict[tuple[str, str], str] = {}
 
     # --- lifecycle (called by the server) -------------------------------------
 
@@ -181,6 +198,7 @@ class Reloader:
 
     async def stop_watching(self) -> None:
         """Stop the watcher and any check or reload in progress (its new models unload)."""
+        self._slot.give_up("the server is stopping")  # a repository load's too
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -191,6 +209,13 @@ class Reloader:
         while self._retiring:
             await asyncio.gather(*list(self._retiring), return_exceptions=True)
 
+    def loading(
+        self, runtimes: Sequence[Runtime], timeouts_s: Sequence[float]
+    ) -> contextlib.AbstractContextManager[None]:
+        """List ``runtimes`` as loading while the block runs (the server's startup:
+        the index says what each load is doing)."""
+        return self._slot.loading(runtimes, timeouts_s)
+
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
@@ -198,25 +223,27 @@ class Reloader:
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s failed", task.get_name(), exc_info=task.exception())
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, ChangeGivenUp):  # that one is recorded
+            log.error("%s failed", task.get_name(), exc_info=error)
 
     # --- the config file ------------------------------------------------------
 
     async def _watch(self, source: ConfigSource) -> None:
         """Poll the file (inode, mtime, size); on a change, check its content."""
         last = await asyncio.to_thread(_fingerprint, source.path)
-        await self.check("startup")  # a change between reading the config and now
+        # Each check in a task of its own: the watcher keeps watching while a
+        # change loads, and a newer file can supersede it (aserve.loop.changes).
+        self._spawn(self.check("startup"), "aserve-config-check")  # changed since it was read
         while True:
             await asyncio.sleep(source.watch_interval_s)
             now = await asyncio.to_thread(_fingerprint, source.path)
             if now == last:
                 continue
             last = now
-            try:
-                await self.check("file change")
-            except Exception:  # a bug; keep watching
-                log.exception("config check failed")
+            self._spawn(self.check("file change"), "aserve-config-check")
 
     async def check(self, trigger: str, force: bool = False) -> None:
         """Reload if the file's content differs from the config in force.
@@ -244,18 +271,29 @@ class Reloader:
         if digest == self._applied_digest and not (force and self._names_archives()):
             if force:
                 log.info("%s: the config file is unchanged", trigger)
+            self._slot.settle_on(digest, trigger)
             self.status.record(trigger, "unchanged")
+            return
+        if self._slot.applying(digest):
+            log.info(
+                "%s: that config is being applied already (%s)", trigger, self._slot.progress()
+            )
             return
         await self.reload(raw, trigger)
 
     async def reload(self, raw: bytes, trigger: str) -> None:
-        """Validate ``raw`` as the new config file and apply it, or keep the old one."""
+        """Validate ``raw`` as the new config file and apply it, or keep the old one.
+
+        Raises :class:`ChangeGivenUp` when a newer file superseded it (recorded).
+        """
         assert self._source is not None
         digest = digest_of(raw)
-        async with self._lock:
+        async with self._slot.hold(trigger, digest):
             self._sweeper.want()  # after this change, applied or not: its archives are held
             try:
-                file_config = await asyncio.to_thread(self._validate, raw)
+                # Importing handlers runs user code: on a thread nothing waits for at exit.
+                what = f"checking the config ({trigger})"
+                file_config = await run_off_loop(what, self._validate, raw)
                 unloaded = self.unloaded & {m.name for m in file_config.models}
                 changes = await self._apply(file_config, unloaded)
             except (ConfigError, ReloadRejected) as exc:
@@ -347,8 +385,12 @@ class Reloader:
                 why = rt.not_ready_reason() if rt.state.value == "READY" else None
                 if why is not None:  # loaded, but cannot serve: a pipeline's step is gone, say
                     state, reason = "UNAVAILABLE", why
+            elif (loading := self._slot.loading_of(m.key)) is not None:
+                state, reason = "LOADING", loading.describe(time.monotonic())
             else:
                 reason = "unloaded" if m.name in self.unloaded else "not loaded"
+                if m.key in self.failed:  # its last load, since it was last unloaded
+                    reason = f"failed to load: {self.failed[m.key]}"
                 state = "UNAVAILABLE"
             if ready_only and state != "READY":
                 continue
@@ -357,7 +399,7 @@ class Reloader:
 
     async def load_model(self, name: str) -> None:
         """Load (or reload from its files) every version of ``name`` in the config in force."""
-        async with self._lock:
+        async with self._slot.hold(f"repository load '{name}'"):
             self._known(name)
             unloaded = self.unloaded - {name}
             trigger = f"repository load '{name}'"
@@ -379,12 +421,14 @@ class Reloader:
         Returns once routing no longer reaches them; their queued and running
         requests finish before they unload.
         """
-        async with self._lock:
+        async with self._slot.hold(f"repository unload '{name}'"):
             self._known(name)
             names = {name}
             if unload_dependents:
                 names |= _dependents(self._file_config.models, name)
             unloaded = self.unloaded | names
+            for key in [k for k in self.failed if k[0] in names]:
+                del self.failed[key]  # unloaded is what the index says of them now
             changes = await self._apply(self._file_config, unloaded)  # only removals: cannot fail
             self.unloaded = unloaded
             self._sweeper.want()
@@ -438,7 +482,7 @@ class Reloader:
         removed = [rt for key, rt in current.items() if key not in want]
         changes.removed = [rt.label for rt in removed]
 
-        await self._load_all(fresh, where)
+        await self._load_all(fresh, where, file_config)
         # From here to the swap there is no await: requests see the old routing
         # or the new one, never a mix.
         for rt, new in in_place:
@@ -453,15 +497,30 @@ class Reloader:
         return changes
 
     async def _load_all(
-        self, fresh: list[tuple[ModelConfig, Runtime]], where: dict[tuple[str, str], str]
+        self,
+        fresh: list[tuple[ModelConfig, Runtime]],
+        where: dict[tuple[str, str], str],
+        file_config: ServerConfig,
     ) -> None:
-        """Load and warm every new runtime beside the served ones; all or nothing."""
+        """Load and warm every new runtime beside the served ones, each within its
+        ``load_timeout_s`` (``file_config``'s default unless it sets its own); all
+        or nothing."""
         runtimes = [rt for _, rt in fresh]
-        try:
-            results = await asyncio.gather(*(rt.load() for rt in runtimes), return_exceptions=True)
-        except asyncio.CancelledError:  # the server is stopping mid-reload
-            await asyncio.gather(*(rt.unload() for rt in runtimes), return_exceptions=True)
-            raise
+        timeouts = [file_config.load_timeout_of(m) for m, _ in fresh]
+        with self._slot.loading(runtimes, timeouts):
+            try:
+                results = await asyncio.gather(
+                    *(rt.load_within(t) for rt, t in zip(runtimes, timeouts, strict=True)),
+                    return_exceptions=True,
+                )
+            except asyncio.CancelledError:  # given up (a newer config) or the server stops
+                await asyncio.gather(*(rt.unload() for rt in runtimes), return_exceptions=True)
+                raise
+        for (m, _), result in zip(fresh, results, strict=True):
+            if isinstance(result, BaseException):
+                self.failed[m.key] = str(result)
+            else:
+                self.failed.pop(m.key, None)
         failed = [
             f"{where[m.key]}: model '{rt.label}' failed to load: {result}"
             for (m, rt), result in zip(fresh, results, strict=True)

@@ -117,6 +117,12 @@ class Registration:
         await asyncio.to_thread(self._remove)
         atexit.unregister(self._remove)
 
+    def remove_threadsafe(self) -> None:
+        """Remove the entry now, from any thread, without the loop (a forced exit,
+        which skips ``atexit``)."""
+        if self._published:
+            self._remove()
+
     def _write_threadsafe(self, snap: dict[str, Any]) -> None:
         with self._file_lock:
             if not self._closed:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from aserve.workers.handoff import poster, settle_threadsafe
 from aserve.workers.job import StepJob
+from aserve.workers.offload import leave_behind
 
 if TYPE_CHECKING:
     from aserve.engines.decoder import DecoderEngine, Sequence
@@ -81,7 +82,11 @@ class StepExecutor:
         self._jobs.put(_STOP)
         await asyncio.to_thread(self._thread.join, timeout)
         if self._thread.is_alive():
-            log.warning("step thread %s did not stop within %.1fs", self._thread.name, timeout)
+            log.warning(
+                "step thread %s did not stop within %.1fs: left running", self._thread.name,
+                timeout,
+            )  # fmt: skip
+            leave_behind(self._thread, f"the step thread of model '{self.name}', in a step")
         self._thread = None
 
     # --- executor-thread side -------------------------------------------------

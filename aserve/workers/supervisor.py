@@ -110,9 +110,19 @@ def reap(proc: multiprocessing.process.BaseProcess, timeout: float) -> None:
     """Wait for ``proc`` to exit (blocking: call off the loop); kill it after ``timeout``."""
     proc.join(timeout)
     if proc.is_alive():
-        log.warning("child process %s did not stop within %.1fs; killing it", proc.name, timeout)
+        if timeout > 0:
+            log.warning(
+                "child process %s did not stop within %.1fs; killing it", proc.name, timeout
+            )
         proc.kill()
         proc.join(5.0)
+
+
+def _reap_after(exc: BaseException) -> float:
+    """How long a child whose start failed gets to exit by itself: none when the
+    start was cancelled (its model's load was given up: a child stuck loading
+    reads no pipe, so only a kill ends it)."""
+    return 0.0 if isinstance(exc, asyncio.CancelledError) else 5.0
 
 
 def restart_delay(attempt: int, backoff: Sequence[float] = RESTART_BACKOFF_S) -> float:
@@ -224,16 +234,16 @@ class Supervisor:
         try:
             try:
                 await channel.connect(parent)
-            except BaseException:
+            except BaseException as exc:
                 self.channel = None
                 parent.close()
-                await asyncio.to_thread(reap, proc, 5.0)  # it exits on EOF
+                await asyncio.to_thread(reap, proc, _reap_after(exc))  # it exits on EOF
                 raise
             try:
                 await ready
-            except BaseException:
+            except BaseException as exc:
                 self._drop()
-                await asyncio.to_thread(reap, proc, 5.0)
+                await asyncio.to_thread(reap, proc, _reap_after(exc))
                 raise
         finally:
             self._ready = None

@@ -44,6 +44,7 @@ from typing import Any
 from aserve.engines.base import Engine
 from aserve.workers.handoff import post_threadsafe, poster, settle_threadsafe
 from aserve.workers.job import BatchJob, Staged
+from aserve.workers.offload import leave_behind
 
 log = logging.getLogger("aserve.executor")
 
@@ -217,16 +218,21 @@ class ExecutorPool:
             self._inline[key] = sorted(costs)[1] < INLINE_MAX_NS
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Let the threads finish their current batch and exit."""
+        """Let the threads finish their current batch and exit; one still running
+        after ``timeout`` (a batch that never ends) is left running, and noted
+        (:func:`~aserve.workers.offload.leave_behind`)."""
         self._stopping = True
-        threads = list(self._threads.values())
+        threads = list(self._threads.items())
         for _ in threads:
             self._jobs.put(_STOP)
         deadline = time.monotonic() + timeout
-        for t in threads:
+        for index, t in threads:
             await asyncio.to_thread(t.join, max(0.0, deadline - time.monotonic()))
             if t.is_alive():
-                log.warning("executor thread %s did not stop within %.1fs", t.name, timeout)
+                log.warning(
+                    "executor thread %s did not stop within %.1fs: left running", t.name, timeout
+                )
+                leave_behind(t, f"instance {index} of model '{self.name}', in a batch")
         self._threads.clear()
 
     # --- supervision (on the loop) ----------------------------------------------

@@ -22,8 +22,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,16 @@ import numpy as np
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.errors import Unavailable
 from aserve.obs.stats import ModelStats
+from aserve.workers.offload import run_off_loop
+
+log = logging.getLogger("aserve.model")
 
 # How often a drain looks whether a runtime that routing no longer reaches is idle.
 DRAIN_POLL_S = 0.02
+# How long an unload waits for each instance's batch in flight; after a load that
+# was given up, whose warm-up batch may never end, only this long.
+STOP_TIMEOUT_S = 10.0
+CUT_SHORT_STOP_S = 0.5
 
 
 class ModelState(enum.Enum):
@@ -42,6 +50,10 @@ class ModelState(enum.Enum):
     READY = "READY"
     UNLOADING = "UNLOADING"
     UNAVAILABLE = "UNAVAILABLE"
+
+
+class LoadTimedOut(RuntimeError):
+    """A model's load and warm-up did not finish within its ``load_timeout_s``."""
 
 
 def not_ready(label: str, why: str) -> str:
@@ -71,6 +83,11 @@ class Runtime(abc.ABC):
         self.stats = ModelStats(config.name, config.version)
         self.default_timeout_s = self.timeout_of(config)
         self._base_dir = base_dir
+        # What the load is doing now, for the reason of a load that timed out.
+        self.load_step = "starting"
+        # The load was given up (timed out or cancelled): stopping what it started
+        # does not wait for work that may never end (a warm-up batch stuck in the model).
+        self.cut_short = False
 
     @staticmethod
     def timeout_of(config: ModelConfig) -> float:
@@ -132,6 +149,57 @@ class Runtime(abc.ABC):
     async def load(self) -> None:
         """Load and warm up; READY afterwards, or raise (then :meth:`unload` it)."""
 
+    async def load_within(self, timeout_s: float) -> None:
+        """:meth:`load`, given up after ``timeout_s`` (the model's ``load_timeout_s``)
+        with :class:`LoadTimedOut`, which says what the load was doing.
+
+        Given up (timed out or cancelled), the load's awaits end at once; what
+        it was running on a thread runs on, since nothing interrupts a thread
+        (:mod:`aserve.workers.offload`), and a worker process is killed when
+        the caller unloads the runtime, as it must after any failed load.
+        """
+        load = asyncio.ensure_future(self.load())
+        try:
+            done, _ = await asyncio.wait([load], timeout=timeout_s)
+        except asyncio.CancelledError:
+            await self._give_up(load)
+            raise
+        if not done:
+            await self._give_up(load)
+            raise LoadTimedOut(
+                f"load and warm-up did not finish within load_timeout_s ({timeout_s:g} s); "
+                f"it was {self.load_step}"
+            )
+        load.result()  # its own error, if it failed
+
+    async def _give_up(self, load: asyncio.Future[None]) -> None:
+        # Marked before the cancellation runs the load's own cleanup, which then
+        # stops what it started without waiting for it (stop_timeout_s).
+        self.cut_short = True
+        load.cancel()
+        await asyncio.wait([load])
+        if not load.cancelled():
+            load.exception()  # an error of its cleanup: the load failed anyway
+
+    @property
+    def stop_timeout_s(self) -> float:
+        """How long :meth:`unload` waits for the running batch of each instance
+        before it gives the instance up (a thread is left, a process killed)."""
+        return CUT_SHORT_STOP_S if self.cut_short else STOP_TIMEOUT_S
+
+    async def free_off_loop(self, free: Callable[[], None]) -> None:
+        """``free()`` (an engine's unload) on a thread, given up after
+        :data:`STOP_TIMEOUT_S`: a handler's ``unload`` that hangs leaves its thread
+        running but does not hold up the reload or the stop that unloads it."""
+        call = run_off_loop(f"unloading model '{self.label}'", free)
+        try:
+            await asyncio.wait_for(call, STOP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning(
+                "unloading model %s did not finish within %g s: left running", self.label,
+                STOP_TIMEOUT_S,
+            )  # fmt: skip
+
     async def unload(self) -> None:
         """Refuse new work, end what is queued or running, free the model."""
         self.state = ModelState.UNLOADING
@@ -145,8 +213,9 @@ class Runtime(abc.ABC):
     @staticmethod
     def reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
         """Whether ``new`` can be applied to a runtime of ``old`` in place, without
-        a new runtime (the reloader asks the runtime's own class). Here: nothing."""
-        return old == new
+        a new runtime (the reloader asks the runtime's own class). Here: only
+        ``load_timeout_s``, which bounds a load that is over."""
+        return load_timeout_only(old, new)
 
     def reconfigure(self, config: ModelConfig) -> None:
         """Apply a config that :meth:`reconfigurable` allows in place.
@@ -189,12 +258,18 @@ class Runtime(abc.ABC):
         """Triton's model statistics (with aserve's own extensions)."""
 
 
+def load_timeout_only(old: ModelConfig, new: ModelConfig) -> bool:
+    """``new`` differs from ``old`` at most in ``load_timeout_s``."""
+    return old.model_copy(update={"load_timeout_s": new.load_timeout_s}) == new
+
+
 def batching_reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
     """``new`` differs from ``old`` at most in batching settings that need no
-    reload (all but ``max_batch_size``): the rule of runtimes with a batcher."""
+    reload (all but ``max_batch_size``) and in ``load_timeout_s``: the rule of
+    runtimes with a batcher."""
     if old.batching.max_batch_size != new.batching.max_batch_size:
         return False
-    return old.model_copy(update={"batching": new.batching}) == new
+    return load_timeout_only(old.model_copy(update={"batching": new.batching}), new)
 
 
 def instance_group(name: str, count: int, device: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from aserve.errors import Unavailable
 from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
 from aserve.loop.runtimes.base import (
+    CUT_SHORT_STOP_S,
     ModelState,
     Runtime,
     batching_reconfigurable,
@@ -34,6 +35,7 @@ from aserve.obs.logs import CURRENT
 from aserve.types.tensors import numpy_dtype
 from aserve.workers.batch_process import ProcessPool, worker_spec
 from aserve.workers.job import BatchJob
+from aserve.workers.offload import run_off_loop
 from aserve.workers.thread_pool import ExecutorPool
 
 log = logging.getLogger("aserve.model")
@@ -112,21 +114,32 @@ class ModelRuntime(Runtime):
 
     async def start(self) -> Path | None:
         """Load the engine and start the instances and the batcher (not READY yet:
-        warm up first); returns where the weights were."""
-        path = await asyncio.to_thread(self.model_path)
+        warm up first); returns where the weights were.
+
+        What may block runs on threads of :func:`run_off_loop`, which a load
+        that never ends cannot keep the process from exiting with.
+        """
+        self.load_step = "locating the model's files"
+        path = await run_off_loop(f"locating the files of model '{self.label}'", self.model_path)
         # In a thread: making the engine imports its runtime (torch, onnxruntime), a
         # second or more that would hold the loop, and every other model's start.
-        engine = await asyncio.to_thread(self._create_engine, path)
+        self.load_step = "creating the engine"
+        engine = await run_off_loop(
+            f"creating the engine of model '{self.label}'", self._create_engine, path
+        )
         c = self.config
         if c.executor == "process":
+            self.load_step = "starting the worker processes (each loads the model)"
             self._pool = await self._start_processes(engine, path)
         else:
-            await asyncio.to_thread(engine.load)
+            self.load_step = "loading the model"
+            await run_off_loop(f"loading model '{self.label}'", engine.load)
+            self.load_step = "starting the instance threads"
             self._pool = ExecutorPool(engine, c.instances, self.name)
             try:
                 await self._pool.start()
             except BaseException:
-                await asyncio.to_thread(engine.unload)
+                await self.free_off_loop(engine.unload)
                 raise
         self._serve_specs_of(engine.config)
         self.batcher = Batcher(self.label, self.config.batching, self._pool, self.stats)
@@ -148,18 +161,19 @@ class ModelRuntime(Runtime):
         pool = ProcessPool(spec, engine, c.instances, self.name)
         workers = asyncio.ensure_future(pool.start())
         try:
-            await asyncio.to_thread(engine.load_front)
-        except BaseException:
+            await run_off_loop(f"loading the front of model '{self.label}'", engine.load_front)
+        except BaseException as exc:
             # Still starting: cancelled, the pool's start stops what it started.
-            # Started already: stopped here.
+            # Started already: stopped here, at once if the load was given up.
             workers.cancel()
             await asyncio.gather(workers, return_exceptions=True)
-            await pool.stop()
+            given_up = isinstance(exc, asyncio.CancelledError)
+            await pool.stop(CUT_SHORT_STOP_S if given_up else self.stop_timeout_s)
             raise
         try:
             await workers
         except BaseException:
-            await asyncio.to_thread(engine.unload)
+            await self.free_off_loop(engine.unload)
             raise
         return pool
 
@@ -199,6 +213,7 @@ class ModelRuntime(Runtime):
         sizes = sorted({1, *b.preferred_batch_sizes, b.max_batch_size})
         for measure in (False, True):
             for size in sizes:
+                self.load_step = f"warming up (a batch of {size} on each instance)"
                 inputs = {
                     s.name: _dummy(s.datatype, s.shape, size) for s in self.input_specs.values()
                 }
@@ -332,8 +347,8 @@ class ModelRuntime(Runtime):
         if self.batcher is not None:
             self.batcher.close()
         if self._pool is not None:
-            await self._pool.stop()
-            await asyncio.to_thread(self._pool.engine.unload)
+            await self._pool.stop(self.stop_timeout_s)
+            await self.free_off_loop(self._pool.engine.unload)
 
 
 class Reservation:

@@ -40,10 +40,12 @@ from aserve.loop.runtimes.base import (
     ModelState,
     Runtime,
     instance_group,
+    load_timeout_only,
     not_ready,
     string_parameters,
 )
 from aserve.types.generation import SamplingParams
+from aserve.workers.offload import run_off_loop
 from aserve.workers.step_executor import StepExecutor
 from aserve.workers.step_process import ProcessStepExecutor, WorkerArgs
 
@@ -115,7 +117,10 @@ class GenerationRuntime(Runtime):
         t0 = time.perf_counter()
         c = self.config
         assert c.path is not None  # the config requires one for a decoder model
-        path = await asyncio.to_thread(builtin.locate, c.path, self._base_dir)
+        self.load_step = "locating the model's files"
+        path = await run_off_loop(
+            f"locating the files of model '{self.label}'", builtin.locate, c.path, self._base_dir
+        )
         # Here, not at the top: the decoder imports torch, and the frontends that
         # route to this runtime must import without it (tests/test_torch_free.py).
         from aserve.engines.decoder import DecoderEngine
@@ -129,18 +134,21 @@ class GenerationRuntime(Runtime):
         executor: StepExecutor | ProcessStepExecutor
         if c.generation.step_process:
             # The weights live in the child; this process keeps the tokenizer.
-            await asyncio.to_thread(engine.load_front)
+            self.load_step = "loading the tokenizer"
+            await run_off_loop(f"loading the front of model '{self.label}'", engine.load_front)
             args = WorkerArgs(
                 str(path), c.generation.model_dump(), c.device, c.dtype, c.cpu_threads, self.name,
                 gpu=self.gpu.model_dump(),
             )  # fmt: skip
             executor = ProcessStepExecutor(args, on_lost=self._on_sequences_lost)
         else:
-            await asyncio.to_thread(engine.load)
+            self.load_step = "loading the weights and the tokenizer"
+            await run_off_loop(f"loading model '{self.label}'", engine.load)
             executor = StepExecutor(engine, self.name)
         self._engine = engine
+        self.load_step = f"starting the step {'process' if c.generation.step_process else 'thread'}"
+        self._executor = executor  # before it starts: a load given up meanwhile stops it
         await executor.start()
-        self._executor = executor
         self.batcher = ContinuousBatcher(self.label, c.generation, executor, self.stats)
         self.state = ModelState.READY
         log.info(
@@ -288,8 +296,9 @@ class GenerationRuntime(Runtime):
 
     @staticmethod
     def reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
-        """A decoder model takes no settings in place: any change reloads it."""
-        return old == new
+        """A decoder model takes no settings in place (but ``load_timeout_s``, which
+        bounds a load that is over): any other change reloads it."""
+        return load_timeout_only(old, new)
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -342,9 +351,9 @@ class GenerationRuntime(Runtime):
         if self._template_thread is not None:
             self._template_thread.shutdown(wait=False, cancel_futures=True)
         if self._executor is not None:
-            await self._executor.stop()
+            await self._executor.stop(self.stop_timeout_s)
         if self._engine is not None:
-            await asyncio.to_thread(self._engine.unload)
+            await self.free_off_loop(self._engine.unload)
 
 
 def generation_runtime(

@@ -106,15 +106,22 @@ class HandlerRuntime(Runtime):
     async def load(self) -> None:
         """Start the batched runtime, warm up through every stage; READY afterwards."""
         t0 = time.perf_counter()
-        path = await self._batched.start()
+        try:
+            path = await self._batched.start()
+        finally:
+            self.load_step = self._batched.load_step
         self._serve_specs()  # as the handler's engine settled them
         await self._warm_up()
         self._batched.serving(path, t0)
         self.state = ModelState.READY
 
     async def _stop(self) -> None:
+        self._batched.cut_short = self.cut_short  # its stop waits as this one's would
         await self._batched.unload()
-        await asyncio.to_thread(self._threads.shutdown)
+        # Not waited for: a preprocess stuck in user code would hold the unload (and
+        # the reload or stop behind it) for good. Threads that are still running when
+        # the server stops are reported then (aserve.workers.offload.left_behind).
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     reconfigurable = staticmethod(batching_reconfigurable)
 
@@ -150,8 +157,10 @@ class HandlerRuntime(Runtime):
         example = getattr(self._engine.handler, "warmup_request", None)
         if not callable(example):
             return
+        self.load_step = "running the handler's warmup_request()"
         inputs = await self._in_threads(example, "warmup_request")
         batch = _batch_size(inputs, "warmup_request", self.label)
+        self.load_step = "warming up (preprocess, infer and postprocess of warmup_request())"
         for measure in (False, True):
             # One request per instance at once, so that each instance (thread or worker
             # process) runs one: a lone one would always go to the first.
