@@ -105,8 +105,9 @@ def left_behind(join_s: float = 1.0) -> list[str]:
             continue
         if thread.daemon and thread not in known:
             continue
-        if thread not in known:  # a pool's thread that was told to end, say
-            thread.join(max(0.0, deadline - time.monotonic()))
+        # A thread that is ending anyway (a pool's, told to end; a load cut short
+        # that was nearly done) gets what is left of the grace.
+        thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             found.append(known.get(thread) or f"thread '{thread.name}'")
     return found
