@@ -249,3 +249,167 @@ async def test_errors_before_the_stream_are_statuses(decoder_server: ServerProce
         async with session.post(url, json={"model": "llama", "stream": True}) as r:
             assert r.status == 400 and r.headers["Content-Type"].startswith("application/json")
             assert (await r.json())["error"]["param"] == "messages"
+
+
+# --- every field honoured or refused, never silently ignored --------------------------------
+
+CHAT_MESSAGES = [{"role": "user", "content": "Hello"}]
+# Fields found silently ignored, each with a value that asks for something.
+REFUSED_CHAT: list[tuple[str, Any]] = [
+    ("best_of", 2), ("echo", True), ("suffix", "The end."),
+    ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("prediction", {"type": "content", "content": "Hello"}), ("store", True),
+    ("metadata", {"user": "u1"}), ("service_tier", "flex"), ("reasoning_effort", "high"),
+    ("web_search_options", {}), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
+    ("logit_bias", {"42": 100}), ("verbosity", "low"), ("top_logprobs", 2),
+    ("repetition_penalty", 1.1), ("min_p", 0.1),  # vLLM's, unknown here
+]  # fmt: skip
+REFUSED_COMPLETIONS: list[tuple[str, Any]] = [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
+    ("presence_penalty", 1.0), ("logit_bias", {"42": -100}), ("best_of", 3), ("suffix", "x"),
+    ("max_completion_tokens", 4), ("messages", CHAT_MESSAGES),  # chat's, not completions'
+]  # fmt: skip
+
+
+def _message(error: openai.APIStatusError) -> str:
+    """The server's own message (the SDK's ``message`` puts the status first)."""
+    assert isinstance(error.body, dict)
+    return str(error.body["message"])
+
+
+def _sdk_args(create: Any, name: str, value: Any) -> dict[str, Any]:
+    """The field as the SDK's own argument where it has one, else in extra_body."""
+    import inspect
+
+    if name in inspect.signature(create).parameters:
+        return {name: value}
+    return {"extra_body": {name: value}}
+
+
+def _refused_with_its_name(exc: pytest.ExceptionInfo[openai.BadRequestError], name: str) -> None:
+    assert exc.value.status_code == 400 and exc.value.param == name, exc.value
+    assert _message(exc.value).startswith(f"{name}: "), exc.value.message
+    assert exc.value.response.headers["x-should-retry"] == "false"
+
+
+@pytest.mark.parametrize(("name", "value"), REFUSED_CHAT, ids=[n for n, _ in REFUSED_CHAT])
+async def test_chat_fields_asking_for_what_aserve_lacks_are_refused_by_name(
+    aclient: openai.AsyncOpenAI, name: str, value: Any
+) -> None:
+    create = aclient.chat.completions.create
+    with pytest.raises(openai.BadRequestError) as exc:
+        await create(
+            model="llama", messages=CHAT_MESSAGES, max_tokens=2, **_sdk_args(create, name, value)
+        )  # type: ignore[call-overload]
+    _refused_with_its_name(exc, name)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), REFUSED_COMPLETIONS, ids=[n for n, _ in REFUSED_COMPLETIONS]
+)
+async def test_completion_fields_asking_for_what_aserve_lacks_are_refused_by_name(
+    aclient: openai.AsyncOpenAI, name: str, value: Any
+) -> None:
+    create = aclient.completions.create
+    with pytest.raises(openai.BadRequestError) as exc:
+        await create(model="llama", prompt="Hello", max_tokens=2, **_sdk_args(create, name, value))  # type: ignore[call-overload]
+    _refused_with_its_name(exc, name)
+
+
+async def test_fields_clients_send_by_default_change_nothing(aclient: openai.AsyncOpenAI) -> None:
+    """The values a client sends to mean "no such feature" pass, and the text is
+    what the same request gets without them."""
+    plain = await aclient.chat.completions.create(
+        model="llama", messages=CHAT_MESSAGES, max_tokens=12, temperature=0
+    )
+    defaults = await aclient.chat.completions.create(
+        model="llama", messages=CHAT_MESSAGES, max_completion_tokens=12, max_tokens=12,
+        temperature=0, n=1, store=False, metadata={}, service_tier="auto", logprobs=False,
+        top_logprobs=0, presence_penalty=0, frequency_penalty=0.0, logit_bias={}, tools=[],
+        tool_choice="none", parallel_tool_calls=False, user="u1", safety_identifier="s1",
+        prompt_cache_key="k1", response_format={"type": "text"}, modalities=["text"],
+        reasoning_effort="none", audio=None, prediction=None,
+    )  # fmt: skip
+    assert defaults.choices[0].message.content == plain.choices[0].message.content
+    whole = await aclient.completions.create(
+        model="llama", prompt="Hello", max_tokens=12, temperature=0
+    )
+    same = await aclient.completions.create(
+        model="llama", prompt="Hello", max_tokens=12, temperature=0, n=1, best_of=1, echo=False,
+        logprobs=None, presence_penalty=0, frequency_penalty=0, logit_bias={}, suffix=None, user="u1",
+    )  # fmt: skip
+    assert same.choices[0].text == whole.choices[0].text
+    stream = await aclient.chat.completions.create(
+        model="llama", messages=CHAT_MESSAGES, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False},
+    )  # fmt: skip
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as exc:
+        await aclient.chat.completions.create(
+            model="llama", messages=CHAT_MESSAGES, stream=True,
+            stream_options={"include_usage": True, "include_obfuscation": True},
+        )  # fmt: skip
+    assert exc.value.param == "stream_options" and "include_obfuscation" in exc.value.message
+
+
+async def test_langchain_chat_openai_bodies_are_served(decoder_server: ServerProcess) -> None:
+    """The bodies LangChain's ChatOpenAI (langchain-openai 1.7) sends for invoke
+    and stream, with and without its settings."""
+    bodies = [
+        {"model": "llama", "stream": False, "messages": [
+            {"content": "s", "role": "system"}, {"content": "hello", "role": "user"},
+            {"content": "hi", "role": "assistant"}, {"content": "again", "role": "user"}]},
+        {"model": "llama", "stream": False, "messages": [{"content": "x", "role": "user"}],
+         "max_completion_tokens": 5, "temperature": 0.0},
+        {"model": "llama", "stream": True, "messages": [{"content": "x", "role": "user"}],
+         "max_completion_tokens": 5, "n": 1, "seed": 1, "stop": ["a"], "temperature": 0.2,
+         "top_p": 0.9, "stream_options": {"include_usage": True}},
+    ]  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        for body in bodies:
+            async with session.post(decoder_server.base + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+
+
+async def test_history_keys_are_honoured_or_refused(aclient: openai.AsyncOpenAI) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history: list[Any] = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    with pytest.raises(openai.BadRequestError) as exc:
+        await aclient.chat.completions.create(model="llama", messages=history, max_tokens=2)
+    assert exc.value.param == "messages"
+    assert _message(exc.value).startswith("messages[1].tool_calls: tool calls"), exc.value
+    # Without the call: the tool message, its id given to the template, is served.
+    history[1] = {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None}
+    r = await aclient.chat.completions.create(model="llama", messages=history, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+    for key, value in (("reasoning_content", "hm"), ("refusal", "no"), ("audio", {"id": "a"})):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await aclient.chat.completions.create(
+                model="llama",
+                messages=[{"role": "assistant", "content": "x", key: value}],
+                max_tokens=2,
+            )
+        assert exc.value.param == "messages" and f"messages[0].{key}" in exc.value.message
+
+
+async def test_max_tokens_refusals_name_the_field_the_request_used(
+    aclient: openai.AsyncOpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        await aclient.chat.completions.create(
+            model="llama", messages=CHAT_MESSAGES, max_completion_tokens=121
+        )
+    assert exc.value.param == "max_completion_tokens"
+    assert _message(exc.value) == "max_completion_tokens: 121 is over this model's limit (120)"
+    with pytest.raises(openai.BadRequestError) as exc:
+        await aclient.chat.completions.create(
+            model="llama", messages=CHAT_MESSAGES, max_completion_tokens=20, max_tokens=10
+        )
+    assert exc.value.param == "max_tokens" and "not both (got 10 and 20)" in exc.value.message

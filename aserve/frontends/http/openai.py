@@ -17,14 +17,14 @@ object per line, without ``[DONE]``, and a failure as a last line
 A client that goes away (or whose request is cancelled) cancels its
 sequence, which leaves the batch at the next step.
 
-Supported: one choice per request (``n`` 1) and one prompt per completion
+Every field is honoured, or refused with 400 naming it unless its value asks
+for nothing (``n: 1``, ``store: false``): the table is
+:data:`aserve.frontends.http.openai_fields.FIELDS`, and a field it does not
+know is refused too. One choice per request and one prompt per completion
 request; ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
 ``top_p``, ``seed``, ``stop`` (at most 4), and vLLM's extensions ``top_k``
-and ``ignore_eos``. Penalties, ``logit_bias`` and ``user`` are accepted and
-ignored; ``logprobs``, ``echo``, ``suffix``, ``best_of`` > 1, tools and
-structured ``response_format`` are refused with 400. aserve's own
-``timeout_ms`` field bounds the request as the ``aserve-timeout-ms`` header
-does (the earlier of the two applies; see
+and ``ignore_eos``. aserve's own ``timeout_ms`` field bounds the request as
+the ``aserve-timeout-ms`` header does (the earlier of the two applies; see
 :func:`aserve.frontends.common.resolve_deadline`).
 
 Frontends layer; handlers run on the loop.
@@ -44,6 +44,12 @@ from aserve.codecs.timeouts import parameter_timeout_s
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
 from aserve.frontends.http.kit import RUNTIME_KEY, STATUS_KEY, RouteKit, json_response
+from aserve.frontends.http.openai_fields import (
+    FieldError,
+    check_fields,
+    check_message_fields,
+    check_stream_options,
+)
 from aserve.frontends.http.stream import DONE, json_stream
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.prompt_size import check_prompt_size
@@ -84,14 +90,6 @@ _FIELDS = frozenset(
     {"prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
      "timeout_ms"}
 )  # fmt: skip
-
-
-class FieldError(InvalidArgument):
-    """A request field is wrong; ``param`` names it, as OpenAI's errors do."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message if message.startswith(param) else f"{param}: {message}")
-        self.param = param
 
 
 def error_doc(error: AserveError) -> dict[str, Any]:
@@ -202,9 +200,16 @@ class OpenAIApi:
             else:
                 check_prompt_size(runtime.generation, prompt=body.get("prompt"))
             parsed = _parse(body, chat)
-            seq = await runtime.prepare(
-                parsed.params, prompt=parsed.prompt, messages=parsed.messages
-            )
+            try:
+                seq = await runtime.prepare(
+                    parsed.params, prompt=parsed.prompt, messages=parsed.messages
+                )
+            except InvalidArgument as exc:
+                # The engine names the limit max_tokens; the request may have named it otherwise.
+                if parsed.limit_field != "max_tokens" and exc.message.startswith("max_tokens"):
+                    rest = exc.message.removeprefix("max_tokens")
+                    raise FieldError(parsed.limit_field, parsed.limit_field + rest) from None
+                raise
             timeout = resolve_deadline(
                 request.headers.get(TIMEOUT_HEADER),
                 parsed.timeout_s,
@@ -297,7 +302,9 @@ async def _stream(
 
 
 class _Parsed:
-    __slots__ = ("include_usage", "messages", "params", "prompt", "stream", "timeout_s")
+    __slots__ = (
+        "include_usage", "limit_field", "messages", "params", "prompt", "stream", "timeout_s"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.prompt: str | list[int] | None = None
@@ -306,12 +313,14 @@ class _Parsed:
         self.stream = False
         self.include_usage = False
         self.timeout_s: float | None = None  # aserve's timeout_ms field, if given
+        self.limit_field = "max_tokens"  # or max_completion_tokens, as the request named it
 
 
 def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
     """Validate the fields in OpenAI's terms; every error names its field."""
     out = _Parsed()
     _model(body)
+    check_fields(body, "chat" if chat else "completions")
     if chat:
         out.messages = _messages(body.get("messages"))
     else:
@@ -327,19 +336,23 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
             raise FieldError("stream_options", "is only allowed when stream is true")
         if not isinstance(options, dict):
             raise FieldError("stream_options", "must be an object")
+        check_stream_options(options, "chat" if chat else "completions")
         include = options.get("include_usage", False)
         if not isinstance(include, bool):
             raise FieldError("stream_options", "include_usage must be true or false")
         out.include_usage = include
 
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise FieldError("n", f"only 1 choice per request is supported (got {n!r})")
-    _refuse(body, chat)
-
     limit = "max_tokens"
     if chat and body.get("max_completion_tokens") is not None:
         limit = "max_completion_tokens"
+        given = body.get("max_tokens")
+        if given is not None and given != body["max_completion_tokens"]:
+            raise FieldError(
+                "max_tokens",
+                "max_tokens: give max_tokens or max_completion_tokens, not both "
+                f"(got {given!r} and {body['max_completion_tokens']!r})",
+            )
+    out.limit_field = limit
     settings = {k: body.get(k) for k in SAMPLING_KEYS}
     settings["max_tokens"] = body.get(limit)
     seed = settings["seed"]
@@ -350,9 +363,6 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
     except BadSetting as exc:
         param = limit if exc.param == "max_tokens" else exc.param
         raise FieldError(param, f"{param}: {exc.message}") from None
-    for name in ("presence_penalty", "frequency_penalty"):
-        if (v := body.get(name)) is not None and (not _is_number(v) or not -2 <= v <= 2):
-            raise FieldError(name, f"must be a number from -2 to 2 (got {v!r})")
     out.params = SamplingParams(**kw)
     if body.get("timeout_ms") is not None:
         try:
@@ -367,36 +377,6 @@ def _model(body: dict[str, Any]) -> str:
     if not isinstance(model, str) or not model:
         raise FieldError("model", "is required (a model name from /v1/models)")
     return model
-
-
-def _refuse(body: dict[str, Any], chat: bool) -> None:
-    """Features aserve does not offer: refused rather than silently ignored."""
-    if chat:
-        if body.get("logprobs"):
-            raise FieldError("logprobs", "log probabilities are not supported")
-        if body.get("top_logprobs") is not None:
-            raise FieldError("top_logprobs", "log probabilities are not supported")
-        for name in ("tools", "functions"):
-            if body.get(name):
-                raise FieldError(name, "tool calling is not supported")
-        for name in ("tool_choice", "function_call"):
-            if body.get(name) not in (None, "none"):
-                raise FieldError(name, "tool calling is not supported")
-        if body.get("parallel_tool_calls") is not None:
-            raise FieldError("parallel_tool_calls", "tool calling is not supported")
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise FieldError("response_format", "only {'type': 'text'} is supported")
-        return
-    if body.get("logprobs") is not None:
-        raise FieldError("logprobs", "log probabilities are not supported")
-    if body.get("echo"):
-        raise FieldError("echo", "echoing the prompt is not supported")
-    if body.get("suffix"):
-        raise FieldError("suffix", "suffixes (insertion) are not supported")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise FieldError("best_of", f"only 1 is supported (got {best_of!r})")
 
 
 def _prompt(value: Any) -> str | list[int]:
@@ -428,6 +408,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise FieldError("messages", f"{where} must be an object")
+        check_message_fields(m, where)
         role = m.get("role")
         if role not in _ROLES:
             raise FieldError(
@@ -454,15 +435,14 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                 "messages", f"{where}.content must be a string or a list of text parts"
             )
         msg: dict[str, Any] = {"role": role, "content": content}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+        for key in ("name", "tool_call_id"):  # given to the chat template as they are
+            if (text := m.get(key)) is not None:
+                if not isinstance(text, str):
+                    raise FieldError("messages", f"{where}.{key} must be a string")
+                msg[key] = text
         out.append(msg)
     return out
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -1,0 +1,59 @@
+"""The README's table of OpenAI fields says what the code's table does, row for row."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from aserve.frontends.http.openai_fields import FIELDS, MESSAGE_FIELDS, Field
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+ROW = re.compile(
+    r"^\| `([a-z_\[\].]+)` \| (both|chat|completions) \| (honoured|accepted|refused): (.*?) \| (.*) \|$"
+)
+
+
+def _readme_rows() -> dict[str, tuple[str, str, str, str]]:
+    text = README.read_text(encoding="utf-8")
+    section = text.split("### OpenAI-compatible API", 1)[1].split("\n### ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        if m := ROW.match(line):
+            name, route, kind, note, values = m.groups()
+            assert name not in rows, f"{name} is listed twice"
+            rows[name] = (route, kind, note, values)
+    return rows
+
+
+def _route(field: Field) -> str:
+    return "both" if len(field.routes) == 2 else next(iter(field.routes))
+
+
+def _values(cell: str) -> list[Any]:
+    return [json.loads(v) for v in re.findall(r"`([^`]*)`", cell)]
+
+
+def test_the_readme_lists_every_field_as_the_code_treats_it() -> None:
+    rows = _readme_rows()
+    table = {**FIELDS, **{f"messages[].{k}": f for k, f in MESSAGE_FIELDS.items()}}
+    assert sorted(rows) == sorted(table)
+    for name, field in table.items():
+        route, kind, note, values = rows[name]
+        assert (route, kind, note) == (_route(field), field.kind, field.note), name
+        if field.kind == "refused":
+            listed = _values(values)
+            assert listed == [None, *field.nothing], name
+            assert all(field.allows(v) for v in listed), name
+        elif field.kind == "accepted":
+            assert values == "a string, `null`" and field.allows("s") and not field.allows(1), name
+
+
+def test_a_value_that_asks_for_something_is_not_taken_for_one_that_does_not() -> None:
+    # JSON's true is not 1, 0.5 is not 0, and a list with more is not the empty one.
+    assert not FIELDS["n"].allows(True)
+    assert FIELDS["n"].allows(1) and not FIELDS["n"].allows(2)
+    assert not FIELDS["presence_penalty"].allows(0.5) and FIELDS["presence_penalty"].allows(0.0)
+    assert not FIELDS["tools"].allows([{"type": "function"}]) and FIELDS["tools"].allows([])
+    assert not FIELDS["response_format"].allows({"type": "text", "x": 1})
