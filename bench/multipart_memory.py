@@ -1,21 +1,27 @@
-"""Server memory and loop latency while ``/predictions`` takes big multipart bodies at once.
+"""Server memory and loop latency while big request bodies arrive at once.
 
-One aserve process serves a python handler that reads every part (its
-length and a checksum); ``--clients`` clients each POST one
-``multipart/form-data`` body of ``--mb`` MB (one file part) at the same
-moment, ``--rounds`` times. While they run, the server's RSS is sampled
-every few milliseconds and ``/v2/health/live`` is polled one request after
-another on a connection of its own. Printed per round: the server's RSS
-before, at its peak and after the answers (once the allocator has had
-``--settle-s`` to give memory back), the answers by status, and the health
-probes' max and p99.
+One aserve process serves a python handler that reads every byte it gets
+(a checksum); ``--clients`` clients each POST one body of ``--mb`` MB at the
+same moment, ``--rounds`` times: a ``multipart/form-data`` body with one
+file part to ``/predictions`` (``--route predictions``), or one BYTES
+tensor in the binary extension to V2 infer (``--route v2``). While they
+run, the server's RSS is sampled every few milliseconds and
+``/v2/health/live`` is polled one request after another, on a connection
+and from a process of their own (the clients' own sends copy big buffers on
+their loop). Printed per round: the server's RSS before, at its peak and
+after the answers (once the allocator has had ``--settle-s`` to give memory
+back), the answers by status (429: ``limits.max_inflight_bytes``), and the
+probes' max, p99 and p50.
 
     python -m bench.multipart_memory                      # this checkout
+    python -m bench.multipart_memory --route v2
     python -m bench.multipart_memory --tree /path/to/other/checkout
-    python -m bench.multipart_memory --config-limits '{"max_inflight_bytes": null}'
+    python -m bench.multipart_memory --config-limits '{"max_inflight_bytes": 1000000000}'
 
 ``--tree`` runs the server from another checkout (a ``git archive`` of the
-commit to compare with), with this environment's Python.
+commit to compare with), with this environment's Python. ``--config-limits``
+is merged into the config's ``limits`` (the bound's default takes 4 of 8
+bodies of 60 MB; raise it to measure all 8 at once).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import statistics
 import sys
@@ -118,7 +125,7 @@ class RssSampler:
         self._thread.join()
 
 
-async def probe_health(base: str, stop: asyncio.Event) -> list[float]:
+async def _probe_health(base: str, stop: Any) -> list[float]:
     times = []
     connector = aiohttp.TCPConnector(limit=1)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -131,13 +138,21 @@ async def probe_health(base: str, stop: asyncio.Event) -> list[float]:
     return times
 
 
+def probe_health(base: str, stop: Any, out: Any) -> None:
+    """In a process of its own: the clients' sends (a 60 MB write is copied on their
+    loop) and their GIL must not be what the probes measure."""
+    out.put(asyncio.run(_probe_health(base, stop)))
+
+
 async def one_round(
     base: str, request: tuple[bytes, dict[str, str], str], clients: int
 ) -> tuple[dict[int, int], list[float]]:
     body, headers, path = request
-    stop = asyncio.Event()
-    prober = asyncio.create_task(probe_health(base, stop))
-    await asyncio.sleep(0.2)  # a few quiet probes first
+    ctx = multiprocessing.get_context("spawn")
+    stop, out = ctx.Event(), ctx.Queue()
+    prober = ctx.Process(target=probe_health, args=(base, stop, out), daemon=True)
+    prober.start()
+    await asyncio.sleep(1.0)  # the prober's start, and a few quiet probes
     statuses: dict[int, int] = {}
 
     async def post() -> None:
@@ -150,7 +165,9 @@ async def one_round(
 
     await asyncio.gather(*(post() for _ in range(clients)))
     stop.set()
-    return statuses, await prober
+    times = await asyncio.to_thread(out.get, True, 60)
+    prober.join(10)
+    return statuses, times
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """Request bodies in memory: ``limits.max_inflight_bytes`` on every route, and big
-``/predictions`` bodies spooled to a temporary file.
+bodies spooled to a temporary file as they arrive.
 
 A real server on loopback; the body that holds the budget is sent by hand on a
 socket of its own, half of it, so that it is held for as long as the test
@@ -27,7 +27,7 @@ from stall_watch import watch_loop
 
 import aserve.frontends.http.multipart as multipart
 from aserve.errors import AserveError
-from aserve.frontends.http.spool import SpooledBody
+from aserve.frontends.http.bodies import SpooledBody
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,12 +81,14 @@ def form(*parts: bytes) -> bytes:
     return b"".join(parts) + f"--{BOUNDARY}--\r\n".encode()
 
 
-async def half_sent(port: int, path: str, body: bytes, content_type: str, sent: int) -> Any:
+async def half_sent(
+    port: int, path: str, body: bytes, content_type: str, sent: int, extra: str = ""
+) -> Any:
     """A request whose first ``sent`` bytes of ``body`` are on their way; the rest
-    waits on the returned writer."""
+    waits on the returned writer. ``extra``: more header lines, each ending in CRLF."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n{extra}"
         f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body[:sent]
     )
@@ -204,35 +206,63 @@ def _spooled_files(pid: int, folder: Path) -> list[str]:
     return found
 
 
+def _big_request(route: str) -> tuple[str, bytes, str, str, Any]:
+    """(path, body, content type, extra headers, what the answer must say) of a body
+    of 1.5 MiB and more to ``route``."""
+    if route == "v2":  # one BYTES element, in the binary tensor extension
+        data = os.urandom(3 * MiB // 2)
+        header = orjson.dumps(
+            {"inputs": [{"name": "TEXT", "shape": [1, 1], "datatype": "BYTES",
+                         "parameters": {"binary_data_size": 4 + len(data)}}]}
+        )  # fmt: skip
+        body = header + len(data).to_bytes(4, "little") + data
+        extra = f"Inference-Header-Content-Length: {len(header)}\r\n"
+
+        def check(answer: bytes) -> None:
+            outputs = {o["name"]: o["data"] for o in orjson.loads(answer)["outputs"]}
+            assert outputs["LENGTH"] == [len(data)]
+
+        return "/v2/models/raw/infer", body, "application/octet-stream", extra, check
+    parts = [os.urandom(MiB), b"small", os.urandom(MiB // 2)]
+    body = form(part("a", parts[0], "a.bin"), part("b", parts[1]), part("c", parts[2], "c.bin"))
+
+    def check_parts(answer: bytes) -> None:
+        got = [(p["name"], p["length"], p["sha256"]) for p in orjson.loads(answer)["parts"]]
+        assert got == [
+            (name, len(d), hashlib.sha256(d).hexdigest())
+            for name, d in zip("abc", parts, strict=True)
+        ]
+
+    return "/predictions/raw", body, MULTIPART, "", check_parts
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc/<pid>/fd")
-async def test_a_big_multipart_body_lands_in_a_temporary_file_gone_after(
-    small_server: ServerProcess,
+@pytest.mark.parametrize("route", ["predictions", "v2"])
+async def test_a_big_body_lands_in_a_temporary_file_gone_after(
+    small_server: ServerProcess, route: str
 ) -> None:
+    """A multipart body to /predictions is split from its file; a V2 body is read back
+    whole from it. Either way the file is closed before the handler runs."""
     folder = Path(small_server.log_text().split("starting with ", 1)[1].split()[0]).parent
     tmpdir = folder / "tmpdir"
     pid = small_server.proc.pid
-    data = [os.urandom(MiB), b"small", os.urandom(MiB // 2)]
-    body = form(part("a", data[0], "a.bin"), part("b", data[1]), part("c", data[2], "c.bin"))
-    reader, writer = await half_sent(
-        small_server.port, "/predictions/raw", body, MULTIPART, 3 * MiB // 2
-    )
+    path, body, content_type, extra, check = _big_request(route)
+    sent = 5 * MiB // 4
+    reader, writer = await half_sent(small_server.port, path, body, content_type, sent, extra)
     try:
         for _ in range(500):  # the server writes what it has to the file: poll for it
             if _spooled_files(pid, tmpdir):
                 break
             await asyncio.sleep(0.02)
         assert _spooled_files(pid, tmpdir), "the body never went to a file in $TMPDIR"
-        writer.write(body[3 * MiB // 2 :])
+        writer.write(body[sent:])
         await writer.drain()
         status, _, answer = await asyncio.wait_for(answer_of(reader), 30)
     finally:
         writer.close()
     assert status == 200, answer
-    got = [(p["name"], p["length"], p["sha256"]) for p in orjson.loads(answer)["parts"]]
-    assert got == [
-        (name, len(d), hashlib.sha256(d).hexdigest()) for name, d in zip("abc", data, strict=True)
-    ]
-    # Closed once the parts were read back, before the handler ran; nothing on disk.
+    check(answer)
+    # Closed once the body was read back, before the handler ran; nothing on disk.
     assert _spooled_files(pid, tmpdir) == []
     assert list(tmpdir.iterdir()) == []
 

@@ -20,8 +20,7 @@ import gzip
 import logging
 import math
 import zlib
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -32,7 +31,7 @@ from aserve.errors import AserveError, InvalidArgument, RequestTimeout, TooLarge
 from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, request_id, resolve_deadline
 from aserve.frontends.http.admin import add_admin_routes
 from aserve.frontends.http.auth import http_middleware, server_ssl_context
-from aserve.frontends.http.body_budget import BodyBudget, read_counted
+from aserve.frontends.http.bodies import BodyBudget, SpooledBody, read_back, read_spooled
 from aserve.frontends.http.dashboard import add_dashboard_routes
 from aserve.frontends.http.drain import IdleCloser, take_queued
 from aserve.frontends.http.generate import add_generate_routes
@@ -58,7 +57,6 @@ from aserve.frontends.http.metrics import add_metrics_route
 from aserve.frontends.http.openai import add_openai_routes
 from aserve.frontends.http.openapi import add_openapi_route
 from aserve.frontends.http.predictions import add_prediction_routes
-from aserve.frontends.http.spool import SpooledBody, read_spooled
 from aserve.frontends.model_config import triton_config_json
 from aserve.frontends.status import STATUS_LABELS, status_label
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES
@@ -460,9 +458,13 @@ async def read_body(request: web.Request) -> bytes:
     :class:`RequestTimeout` when it has not all arrived within ``http.body_timeout_s``
     (the connection is closed after the answer). :class:`QueueFull` (429) when
     the bodies being held would pass ``limits.max_inflight_bytes``
-    (:mod:`~aserve.frontends.http.body_budget`).
+    (:mod:`~aserve.frontends.http.bodies`).
     """
-    raw = await _received(request, read_counted)
+    raw = await _received(request)
+    if isinstance(raw, SpooledBody):
+        # Read back whole on a thread: pread lets go of the GIL, where joining the
+        # pieces of a big body in memory held it (and both copies) for its length.
+        raw = await asyncio.to_thread(read_back, raw)
     encoding = _content_encoding(request)
     if encoding in ("identity", ""):
         return raw
@@ -480,32 +482,31 @@ async def read_body(request: web.Request) -> bytes:
 
 
 async def read_body_spooled(request: web.Request) -> bytes | SpooledBody:
-    """:func:`read_body`, but a body over ``spool.SPOOL_OVER_BYTES`` is written to an
-    unnamed temporary file as it arrives (:mod:`~aserve.frontends.http.spool`);
-    one with a Content-Encoding is inflated in memory as :func:`read_body` does."""
+    """:func:`read_body`, but a body over ``bodies.SPOOL_OVER_BYTES`` is handed over in
+    its temporary file (:mod:`~aserve.frontends.http.bodies`), for the caller to read
+    on a thread and close; one with a Content-Encoding is inflated in memory as
+    :func:`read_body` does."""
     if _content_encoding(request) not in ("identity", ""):
         return await read_body(request)
-    return await _received(request, read_spooled)
+    return await _received(request)
 
 
-_T = TypeVar("_T")
-
-
-async def _received(
-    request: web.Request, reader: Callable[[web.Request, BodyBudget, int], Awaitable[_T]]
-) -> _T:
-    """``reader``'s body, within ``http.body_timeout_s``, its errors as aserve's."""
-    timeout_s = request.app[BODY_TIMEOUT_KEY]
+async def _received(request: web.Request) -> bytes | SpooledBody:
+    """The body (a big one in its temporary file), within ``http.body_timeout_s``,
+    bounded and counted (:mod:`~aserve.frontends.http.bodies`), errors as aserve's."""
     limit = request.app[MAX_BODY_KEY]
-    # Held against limits.max_inflight_bytes until its answer is sent (body_budget).
-    budget = request.app[BODY_BUDGET_KEY]
+    timeout_s = request.app[BODY_TIMEOUT_KEY]
     try:
         if request.content.is_eof():
-            # All of it has arrived (a small body comes with its headers): reading
-            # cannot wait, and a timer per request is not free.
-            return await reader(request, budget, limit)
+            # All of it has arrived with the head (a small body): reading cannot
+            # wait, a timer per request is not free, and what is in memory already
+            # is not counted against limits.max_inflight_bytes (bodies).
+            body = await request.content.read()
+            if len(body) > limit:
+                raise TooLarge(f"request body is over the limit max_request_bytes {limit}")
+            return body
         async with asyncio.timeout(timeout_s):
-            return await reader(request, budget, limit)
+            return await read_spooled(request, request.app[BODY_BUDGET_KEY], limit)
     except TimeoutError:
         request[CLOSE_AFTER_KEY] = True  # the rest of the body may still be coming
         raise RequestTimeout(

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from aserve.errors import AserveError, ErrorCode
 from aserve.frontends.common import Route
-from aserve.frontends.http.spool import SpooledBody
+from aserve.frontends.http.bodies import SpooledBody
 from aserve.frontends.status import HTTP_STATUS
 
 RUNTIME_KEY: Final = web.RequestKey("aserve_runtime", object)  # the runtime that served it
@@ -51,7 +51,7 @@ class RouteKit:
     # read_json(request, limit_bytes): the body as a JSON object.
     read_json: Callable[[web.Request, int | None], Awaitable[dict[str, Any]]]
     app: web.Application  # for routes that need its lifetime (cleanup_ctx)
-    # read_body, but a big body lands in a temporary file as it arrives (spool).
+    # read_body, but a big body is handed over in its temporary file (bodies).
     read_body_spooled: Callable[[web.Request], Awaitable[bytes | SpooledBody]]
 
 

@@ -31,7 +31,7 @@ from aiohttp.multipart import content_disposition_filename, parse_content_dispos
 
 from aserve.engines.python_handler import Part
 from aserve.errors import InvalidArgument, TooLarge
-from aserve.frontends.http.spool import SpooledBody
+from aserve.frontends.http.bodies import SpooledBody
 from aserve.types.text import header_bytes, utf8_safe
 
 MAX_PARTS = 128  # parts of one multipart/form-data body

@@ -36,9 +36,9 @@ from aiohttp import hdrs, web
 from aserve.engines.python_handler import Part
 from aserve.errors import AserveError, InvalidArgument, TooLarge
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline
+from aserve.frontends.http.bodies import SpooledBody, read_back
 from aserve.frontends.http.kit import RUNTIME_KEY, RouteKit, error_response
 from aserve.frontends.http.multipart import split_parts
-from aserve.frontends.http.spool import SpooledBody
 from aserve.loop.runtimes.handler import HandlerRuntime
 from aserve.types.text import utf8_safe
 
@@ -100,7 +100,7 @@ class Predictions:
             # the whole body dropped, so the request holds its bytes about once.
             body = await asyncio.to_thread(_split, content_type, raw)
         elif isinstance(raw, SpooledBody):
-            body = await asyncio.to_thread(_read_back, raw)
+            body = await asyncio.to_thread(read_back, raw)
         else:
             body = raw
         del raw
@@ -128,9 +128,3 @@ def _split(content_type: str, raw: bytes | SpooledBody) -> list[Part]:
         return split_parts(content_type, raw)
     with raw:
         return split_parts(content_type, raw)
-
-
-def _read_back(raw: SpooledBody) -> bytes:
-    """On a thread: a spooled raw body, whole (``pread`` lets go of the GIL)."""
-    with raw:
-        return raw.read(0, raw.size)
