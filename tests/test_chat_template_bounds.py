@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import lm_models
 import openai
 import pytest
@@ -33,6 +34,8 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from stall_watch import watch_loop
 
+from aserve._proto import aserve_pb2 as apb
+from aserve._proto import aserve_pb2_grpc as apb_grpc
 from aserve.engines.decoder.chat_template import (
     ChatTemplate,
     RenderBudget,
@@ -281,7 +284,7 @@ def _config(tmp: pytest.TempPathFactory, name: str, **extra: Any) -> Path:
          "generation": {**GENERATION, "max_chat_template_steps": 10**12,
                         "chat_template_timeout_ms": 300}},
     ]  # fmt: skip
-    return write_config(root, {"models": models, **extra})
+    return write_config(root, {"grpc": {"port": 0}, "models": models, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +313,18 @@ async def _attacker(client: openai.AsyncOpenAI, model: str, limit: str) -> None:
     assert exc.value.response.headers["x-should-retry"] == "false"
 
 
+async def _grpc_attacker(target: str) -> None:
+    async with grpc.aio.insecure_channel(target) as channel:
+        request = apb.GenerateRequest(
+            model_name="loop-steps", messages=[apb.ChatMessage(role="user", content="hi")]
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            async for _ in apb_grpc.GenerationStub(channel).Generate(request):
+                pass
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value
+    assert STEPS in (exc.value.details() or ""), exc.value.details()
+
+
 async def test_a_looping_chat_template_is_refused_and_never_stalls_the_loop(
     srv: ServerProcess,
 ) -> None:
@@ -321,6 +336,7 @@ async def test_a_looping_chat_template_is_refused_and_never_stalls_the_loop(
                 *(_victim(client, m) for m in ("gpt2", "llama", "gpt2", "llama")),
                 *(_attacker(client, "loop-steps", STEPS) for _ in range(3)),
                 *(_attacker(client, "loop-time", "generation.chat_template_timeout_ms") for _ in range(2)),
+                _grpc_attacker(srv.grpc_url),
             )  # fmt: skip
             assert results[:4] == [alone["gpt2"], alone["llama"]] * 2
     # The model's text route never renders the template: it still serves.
