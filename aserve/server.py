@@ -12,6 +12,8 @@ readiness turns false on HTTP and gRPC, the server serves on for
 (bounded by ``drain_timeout_s``), then the models unload in reverse order of
 loading. A signal during startup gives the loads in progress up and stops.
 
+The signals are seen on a thread of their own (:mod:`aserve.workers.signals`),
+so the stop's deadline runs from the first one even while the loop is stuck.
 The stop is bounded whatever the models do (:class:`StopDeadline`): past
 ``drain_grace_s + drain_timeout_s +`` :data:`STOP_MARGIN_S`, and at once on a
 second signal, the process kills its children and ends with status 1. It
@@ -47,6 +49,7 @@ from aserve.obs.metrics import Metrics
 from aserve.obs.registration import Registration
 from aserve.workers import supervisor
 from aserve.workers.last_resort import StopDeadline
+from aserve.workers.signals import SignalWatch
 
 log = logging.getLogger("aserve.server")
 
@@ -168,25 +171,21 @@ class Server:
         """Start, serve until SIGINT/SIGTERM, then drain and stop."""
         self._stop_requested = asyncio.Event()
         raise_open_file_limit()  # before any model or listener takes descriptors
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        loop.add_signal_handler(signal.SIGHUP, self.reloader.on_sighup)
+        # Seen on a thread of their own, so that a stop is bounded even while the
+        # loop is stuck (see aserve.workers.signals).
+        signals = SignalWatch(
+            asyncio.get_running_loop(), self._on_signal, self._on_stop_signal_threadsafe
+        )
+        signals.start()
         try:
             await self._start_unless_stopped()
             await self._stop_requested.wait()
         finally:
             # Here, not in stop(): the process is this server's only when it runs
             # this way (a test or an application may start and stop it in its own).
-            grace = self.config.drain_grace_s if self._was_ready else 0.0
-            self.stop_deadline.arm(
-                grace + self.config.drain_timeout_s + STOP_MARGIN_S,
-                f"drain_grace_s {grace:g} + drain_timeout_s {self.config.drain_timeout_s:g} + "
-                f"{STOP_MARGIN_S:g} s",
-            )
+            self._arm_stop_deadline_threadsafe()
             await self.stop()
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
+            signals.stop()
 
     async def _start_unless_stopped(self) -> None:
         """:meth:`start`, unless a signal comes first: then the loads in progress
@@ -206,15 +205,33 @@ class Server:
             starting.result()  # StartupError
 
     def _on_signal(self, sig: signal.Signals) -> None:
+        if sig is signal.SIGHUP:
+            self.reloader.on_sighup()
+            return
         if self._signalled:
+            return  # a second one ends the process from the signal thread
+        self._signalled = True
+        assert self._stop_requested is not None
+        self._stop_requested.set()
+
+    def _on_stop_signal_threadsafe(self, sig: signal.Signals, count: int) -> None:
+        """The ``count``-th SIGINT/SIGTERM, on the signal thread, before the loop hears
+        of it: the stop's deadline runs from the first, whatever the loop is doing."""
+        if count > 1:
             # Not SystemExit: the loop's close would wait for threads that may never end.
             self.stop_deadline.exit_now(
                 f"second {sig.name}: stopping without waiting for in-flight requests"
             )
-        self._signalled = True
         log.info("%s received: draining", sig.name)
-        assert self._stop_requested is not None
-        self._stop_requested.set()
+        self._arm_stop_deadline_threadsafe()
+
+    def _arm_stop_deadline_threadsafe(self) -> None:
+        grace = self.config.drain_grace_s if self._was_ready else 0.0
+        self.stop_deadline.arm(
+            grace + self.config.drain_timeout_s + STOP_MARGIN_S,
+            f"drain_grace_s {grace:g} + drain_timeout_s {self.config.drain_timeout_s:g} + "
+            f"{STOP_MARGIN_S:g} s",
+        )
 
     async def stop(self) -> None:
         if self.state is ServerState.STOPPED:

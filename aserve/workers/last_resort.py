@@ -35,14 +35,17 @@ class StopDeadline:
 
     def __init__(self, cleanup: Callable[[], None]) -> None:
         self._cleanup = cleanup
-        self._armed = threading.Event()
+        self._armed = False
+        self._arming = threading.Lock()  # armed from the loop and the signal thread
         self._done = threading.Event()
 
     def arm(self, within_s: float, what: str) -> None:
-        """Start the countdown (the first call only; ``what`` names the bound in the log)."""
-        if self._armed.is_set():
-            return
-        self._armed.set()
+        """Start the countdown (the first call only; ``what`` names the bound in the log).
+        Safe to call from any thread."""
+        with self._arming:
+            if self._armed:
+                return
+            self._armed = True
         threading.Thread(
             target=self._count_down_threadsafe,
             args=(within_s, what),
