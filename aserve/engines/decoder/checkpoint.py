@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ from aserve.engines.decoder.spec import (
     StateDict,
     Weights,
 )
-from aserve.engines.decoder.tensor_headers import TensorHeader, read_headers
+from aserve.engines.decoder.tensor_headers import TensorHeader, open_regular, read_headers
 
 log = logging.getLogger("aserve.engines.decoder")
 
@@ -45,14 +43,7 @@ SIDE_FILES = {
 def read_bounded(path: Path, max_bytes: int, limit: str) -> bytes:
     """The bytes of ``path``; past ``max_bytes`` (the limit named ``limit``)
     it is refused before it is read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there never blocks
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{path}: not a regular file")
+    with open_regular(path) as (f, info):
         _check_size(path, info.st_size, max_bytes, limit)
         data = f.read(max_bytes + 1)  # it may have grown since
     _check_size(path, len(data), max_bytes, limit)

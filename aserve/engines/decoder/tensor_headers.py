@@ -14,8 +14,11 @@ import json
 import math
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from aserve.engines.decoder.spec import CheckpointError
 
@@ -46,18 +49,26 @@ class TensorHeader:
         return self.dtype in FLOAT_DTYPES
 
 
-def read_headers(path: Path) -> dict[str, TensorHeader]:
-    """The tensors of one safetensors file, by name; :class:`CheckpointError`
-    for a header that is too large, malformed, or declares more data than the
-    file holds."""
+@contextmanager
+def open_regular(path: Path) -> Iterator[tuple[BinaryIO, os.stat_result]]:
+    """``path`` open for reading, with its ``fstat``; :class:`CheckpointError` if it
+    cannot be opened or is not a regular file (a FIFO put there never blocks the open)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO put there never blocks
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise CheckpointError(f"{path}: not a regular file")
+        yield f, info
+
+
+def read_headers(path: Path) -> dict[str, TensorHeader]:
+    """The tensors of one safetensors file, by name; :class:`CheckpointError`
+    for a header that is too large, malformed, or declares more data than the
+    file holds."""
+    with open_regular(path) as (f, info):
         prefix = f.read(8)
         if len(prefix) < 8:
             raise CheckpointError(f"{path}: not a safetensors file (shorter than its header)")
