@@ -17,6 +17,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from archive_helpers import ROWS, aserve
+from archive_helpers import env as _env
 from conftest import start_server, write_config
 from helpers import v2_body
 from reload_helpers import config_status, rewrite_config, wait_attempts
@@ -24,23 +26,6 @@ from stall_watch import watch_loop
 
 from aserve.config import archive
 from aserve.config.archive import ArchiveError, serve_config
-
-REPO = Path(__file__).resolve().parent.parent
-ROWS = [5.1, 3.5, 1.4, 0.2, 6.0, 2.9, 4.5, 1.5, 6.3, 3.3, 6.0, 2.5]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
-
-
-def aserve(
-    *args: str, cwd: Path, timeout: float = 300, **env: str
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "aserve", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env(**env),
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
