@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.report import machine_facts
+from bench.report import kept_notes, machine_facts
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_MS = 100.0
@@ -49,7 +49,9 @@ def run(files: list[str]) -> tuple[list[dict[str, Any]], int]:
     return sorted(worst.values(), key=lambda d: -d["worst_ms"]), rc
 
 
-def render(cases: list[dict[str, Any]], rc: int, facts: dict[str, Any]) -> str:
+def render(cases: list[dict[str, Any]], rc: int, facts: dict[str, Any], notes: str = "") -> str:
+    """The results page; ``notes`` (a hand-written block, kept across runs) comes
+    after the header: what each hostile-input issue's items do now."""
     over = [c for c in cases if c["worst_ms"] > TARGET_MS]
     out = [
         "# Hostile input: the loop's worst stall per case",
@@ -62,6 +64,9 @@ def render(cases: list[dict[str, Any]], rc: int, facts: dict[str, Any]) -> str:
         "slowest probe while the attack ran; *quiet p99* the same probe's p99 just before.",
         f"Target: worst <= {TARGET_MS:.0f} ms. The tests themselves assert only the loose bound",
         "(max(1 s, 20x quiet p99)), which a busy machine must not trip.",
+        "",
+        *([notes, ""] if notes else []),
+        "## The loop's worst stall per case",
         "",
         f"{len(cases)} cases; {len(over)} over {TARGET_MS:.0f} ms. Load average while it ran: "
         f"{facts['load_average']} (other work on the machine inflates both columns).",
@@ -85,8 +90,9 @@ def _load_average() -> str:
 def main() -> int:
     facts = {**machine_facts(COMMAND), "load_average": _load_average()}
     cases, rc = run(hostile_test_files())
-    text = render(cases, rc, facts)
-    (ROOT / "bench" / "RESULTS-hostile.md").write_text(text)
+    md = ROOT / "bench" / "RESULTS-hostile.md"
+    text = render(cases, rc, facts, kept_notes(md.read_text() if md.is_file() else ""))
+    md.write_text(text)
     print(text)
     return rc
 
