@@ -176,11 +176,37 @@ def _hostile(kind: str, good: Path, dst: Path, marker: Path) -> Path:
         return _rewrite(good, dst, {}, add={"data/aotinductor/model/model.so": b"\x7fELF"})
     if kind == "old layout":
         return _old_layout(good, dst, boom)
+    if kind == "old layout state json":
+        return _old_layout(good, dst, boom, json_member="state_dict")
+    if kind == "old layout constants json":
+        return _old_layout(good, dst, boom, json_member="constants")
+    if kind == "second program":
+        return _second_program(good, dst, code)
     raise AssertionError(kind)
 
 
-def _old_layout(good: Path, dst: Path, boom: bytes) -> Path:
-    """The layout torch wrote before 2.7, which torch 2.13 still reads when the new one fails."""
+def _second_program(good: Path, dst: Path, code: str) -> Path:
+    """A second program whose member name does not end in .json: torch reads every
+    member under models/ and names the model by cutting five characters off."""
+    with zipfile.ZipFile(good) as z:
+        records = {i.filename.split("/", 1)[1]: z.read(i) for i in z.infolist()}
+    program = json.loads(records["models/model.json"])
+    _first_expr(program, lambda e: f"{code} or {e}")
+    name = "evil.jso"  # what torch makes of models/evil.json.bak
+    return _rewrite(good, dst, {}, add={
+        "models/evil.json.bak": json.dumps(program).encode(),
+        f"data/sample_inputs/{name}.pt": records["data/sample_inputs/model.pt"],
+        f"data/weights/{name}_weights_config.json":
+            records["data/weights/model_weights_config.json"],
+        f"data/constants/{name}_constants_config.json":
+            records["data/constants/model_constants_config.json"],
+    })  # fmt: skip
+
+
+def _old_layout(good: Path, dst: Path, boom: bytes, json_member: str = "") -> Path:
+    """The layout torch wrote before 2.7, which torch 2.13 still reads when the new one
+    fails; the pickle in the example inputs, or in ``serialized_{json_member}.json``
+    (an older torch's name for the state dict or the constants, read the same way)."""
     from torch._export.serde.schema import SCHEMA_VERSION
 
     with zipfile.ZipFile(good) as z:
@@ -192,9 +218,15 @@ def _old_layout(good: Path, dst: Path, boom: bytes) -> Path:
     with zipfile.ZipFile(dst, "w") as z:
         z.writestr("version", ".".join(map(str, SCHEMA_VERSION)))
         z.writestr("serialized_exported_program.json", program)
-        z.writestr("serialized_state_dict.pt", state.getvalue())
-        z.writestr("serialized_constants.pt", empty.getvalue())
-        z.writestr("serialized_example_inputs.pt", boom)
+        members = {"serialized_state_dict.pt": state.getvalue(),
+                   "serialized_constants.pt": empty.getvalue(),
+                   "serialized_example_inputs.pt": boom}  # fmt: skip
+        if json_member:
+            members["serialized_example_inputs.pt"] = empty.getvalue()
+            members.pop(f"serialized_{json_member}.pt")
+            members[f"serialized_{json_member}.json"] = boom
+        for name, data in members.items():
+            z.writestr(name, data)
     return dst
 
 
@@ -211,6 +243,9 @@ KINDS = {
     "operator": "names the operator 'torch.os.system', not an operator name",
     "aotinductor": "is AOTInductor compiled code",
     "old layout": "member 'serialized_example_inputs.pt' is a pickle",
+    "old layout state json": "member 'serialized_state_dict.json' is a pickle",
+    "old layout constants json": "member 'serialized_constants.json' is a pickle",
+    "second program": "member 'models/evil.json.bak' is not part of the layout",
 }
 
 

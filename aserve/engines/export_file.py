@@ -71,6 +71,19 @@ _TARGET = re.compile(
     r"|#[A-Za-z0-9_.]+:[A-Za-z0-9_.]+"
 )
 
+# The members torch.export.save writes (names without the archive's top folder).
+_RECORD = re.compile(
+    r"models/[A-Za-z0-9_]+\.json"
+    r"|data/(weights|constants|sample_inputs)/[A-Za-z0-9_.\-]+"
+    r"|extra/[^\x00]+|archive_format|archive_version|byteorder|\.data/[A-Za-z0-9_.]+"
+)
+# The pre-2.7 layout's members torch hands to torch.load (trying weights_only=False
+# when the safe load fails); the two .json names are what an older torch wrote there.
+_OLD_PICKLED = frozenset({
+    "serialized_state_dict.pt", "serialized_constants.pt", "serialized_example_inputs.pt",
+    "serialized_state_dict.json", "serialized_constants.json",
+})  # fmt: skip
+
 # Fields whose strings torch never pastes into code (it repr()s or only stores them).
 _FREE_KEYS = frozenset({"metadata", "as_string", "as_strings", "torch_version", "stack_trace"})
 
@@ -162,6 +175,13 @@ def _check_records(reader: Any, records: list[str], label: str) -> None:
                 f"{label}: member '{name}' is AOTInductor compiled code (a shared library), "
                 "which aserve does not load; save the program with torch.export.save"
             )
+        if not _RECORD.fullmatch(name):
+            # torch reads every member under models/ as a program, naming it by cutting
+            # ".json" off whatever the name ends with: only the layout torch writes passes.
+            raise UnsafeProgram(
+                f"{label}: member '{name}' is not part of the layout torch.export.save "
+                "writes; aserve does not load it"
+            )
         if name.startswith(c.SAMPLE_INPUTS_DIR) or (
             name.startswith((c.WEIGHTS_DIR, c.CONSTANTS_DIR)) and name.endswith(".pt")
         ):
@@ -207,14 +227,13 @@ def _check_old_layout(f: BinaryIO, label: str) -> None:
     except zipfile.BadZipFile:
         return  # torch cannot read it either
     with archive:
-        names = set(archive.namelist())
-        for name in ("serialized_state_dict.pt", "serialized_constants.pt",
-                     "serialized_example_inputs.pt"):  # fmt: skip
-            if name in names:
-                _check_weights_only(archive.read(name), label, name)
-        name = "serialized_exported_program.json"
-        if name in names:
-            _check_value(_read_json(archive.read(name), label, name), label, name)
+        # Every entry of those names, a name given twice included: torch reads them all.
+        for info in archive.infolist():
+            if info.filename in _OLD_PICKLED:
+                _check_weights_only(archive.read(info), label, info.filename)
+            elif info.filename == "serialized_exported_program.json":
+                program = _read_json(archive.read(info), label, info.filename)
+                _check_value(program, label, info.filename)
 
 
 def _read_json(data: bytes, label: str, name: str) -> Any:
