@@ -303,7 +303,12 @@ def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_before_it_is_
         assert batched(4, timeout_ms=1e308) == 4
         assert batched.submit(5, timeout_ms=10**400).result(30) == 5
         assert asyncio.run(batched.acall(6, timeout_ms=1e308)) == 6
-        assert calls == [4, 5, 6]
+        # numpy's numbers are numbers (its bool is no more a timeout than Python's).
+        assert batched(7, timeout_ms=np.int64(5000)) == 7
+        assert batched(8, timeout_ms=np.float32(5000.0)) == 8
+        with pytest.raises(ValueError, match="timeout_ms must be a finite positive number"):
+            batched(9, timeout_ms=np.bool_(True))
+        assert calls == [4, 5, 6, 7, 8]
 
 
 def test_a_function_that_raises_fails_only_its_batch():

@@ -14,6 +14,7 @@ frontends' rule, :func:`aserve.frontends.common.resolve_deadline`.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,10 +40,11 @@ def as_timeout(value: Any) -> float | None:
 
     An int of any size is finite (taken as at most ``2**1000``): the caller's cap
     (``limits.max_timeout_ms`` on the server) bounds it."""
-    # bool is an int to Python, but true is no number of milliseconds.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # bool is an int to Python, but true is no number of milliseconds. Any real
+    # number counts (numpy's too: a library caller may pass np.int64(100)).
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    number = float(min(value, 2**1000)) if isinstance(value, int) else value
+    number = float(min(value, 2**1000)) if isinstance(value, numbers.Integral) else float(value)
     return number if math.isfinite(number) and number > 0 else None
 
 
