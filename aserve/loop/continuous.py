@@ -247,21 +247,26 @@ class ContinuousBatcher:
 
     # --- requests in and out ----------------------------------------------------
 
-    def check_room(self) -> None:
+    def check_room(self, preparing: int = 0) -> None:
         """Raise now what :meth:`submit` would for want of room (QueueFull, or
         Unavailable while unloading), so that a frontend refuses before it
         tokenizes: under a retry storm every refusal is loop time taken from
-        the running streams' steps and SSE writes."""
+        the running streams' steps and SSE writes. ``preparing``: requests not
+        queued yet because their prompts are being rendered and tokenized; they
+        take places in the queue too, so that the line in front of a model's
+        chat-template thread is as bounded as the queue behind it."""
         if self._closed:
             raise Unavailable(f"model '{self.label}' is unloading")
         # Sequences that the next step admits into free slots are not queued:
         # a burst of max_num_seqs + max_queue_size is taken by an idle model.
         free_slots = self.limits.max_num_seqs - (self._slots_held - len(self._to_free))
-        if len(self._waiting) >= self.max_queue_size + max(free_slots, 0):
+        waiting = len(self._waiting) + preparing
+        if waiting >= self.max_queue_size + max(free_slots, 0):
             self._stats.rejected["queue_full"] += 1
             raise QueueFull(
                 f"model '{self.label}' queue is full: {len(self._waiting)} sequences waiting "
-                f"for a slot (generation.max_queue_size {self.max_queue_size}); retry later"
+                f"for a slot and {preparing} being prepared (generation.max_queue_size "
+                f"{self.max_queue_size}); retry later"
             )
 
     def submit(

@@ -201,11 +201,14 @@ class GenerationRuntime(Runtime):
         # A full queue refuses before the prompt is rendered and tokenized: under
         # a retry storm that work was most of a refusal's time on the loop,
         # taken from the running streams. generate() checks again.
-        if self.batcher is not None:
-            self.batcher.check_room()
         size = check_prompt_size(self.generation, prompt, messages)
         own_template = messages is not None and self._engine.tokenizer.has_chat_template
-        if size <= _INLINE_PROMPT_BYTES and not own_template:
+        inline = size <= _INLINE_PROMPT_BYTES and not own_template
+        if self.batcher is not None:
+            # What waits for the template thread counts as queued: else a line of
+            # chats whose templates run to their bound grew behind it without limit.
+            self.batcher.check_room(0 if inline else self._preparing)
+        if inline:
             return self._prepare(params, prompt, messages, client_id)
         self._preparing += 1  # busy: a drain waits for it to be queued
         try:
