@@ -98,10 +98,10 @@ class LimitsConfig(_Frozen):
     input is refused: HTTP 413, gRPC RESOURCE_EXHAUSTED."""
     max_inflight_bytes: Annotated[int | None, Field(ge=1)] = None
     """Bytes of HTTP request bodies held at once, every route together, from
-    the start of a body's read until its answer is sent (a body counts its
-    Content-Length at first, then what arrived or inflated); a
-    request over it is refused: HTTP 429 with Retry-After (what is left of
-    its body is read and dropped). On by default: None means
+    a body's first bytes until its answer is sent (a body counts what of it
+    arrived and what it inflated to, never its declared Content-Length); a
+    request whose bytes would pass it is refused: HTTP 429 with Retry-After
+    (what is left of its body is read and dropped). On by default: None means
     ``INFLIGHT_BODIES`` times ``max_request_bytes`` (256 MiB at the
     defaults). gRPC messages are bounded by ``max_request_bytes`` alone."""
 
