@@ -88,6 +88,26 @@ def rebuild(
     return dst
 
 
+def with_files(src: Path, dst: Path, files: dict[str, bytes]) -> Path:
+    """``src`` with members ``files`` written (replaced or added), its manifest agreeing:
+    an archive the packer would not write (its handler's import never returns, say)."""
+
+    def change(members: dict[str, bytes], manifest: dict) -> None:
+        for name, data in files.items():
+            members[name] = data
+            manifest["members"] = [m for m in manifest["members"] if m["path"] != name]
+            listed(manifest, name, data)
+
+    return rebuild(src, dst, change)
+
+
+def swap_in(src: Path, dst: Path) -> None:
+    """Replace ``dst`` in one step, as a deploy does (write beside, rename)."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copy(src, tmp)
+    os.replace(tmp, dst)
+
+
 def folders(cache: Path) -> list[str]:
     """The archive cache's folders (digests), without the lock files beside them."""
     base = cache / "archives"

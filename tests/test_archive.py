@@ -384,30 +384,53 @@ async def test_a_reload_to_a_bomb_archive_is_rejected_without_stalling(
 
 
 @pytest.mark.timeout(180)
-def test_two_archives_whose_handler_modules_share_a_name_are_refused(
-    packed: Path, project: Path, tmp_path: Path
+@pytest.mark.timeout(300)
+async def test_two_archives_whose_modules_share_names_each_serve_their_own(
+    project: Path, tmp_path: Path
 ) -> None:
-    # A second project whose handler.py differs: one process imports 'handler' once,
-    # so the second model would silently run the first one's class.
+    """Two projects from one scaffold: the same module names (handler, and a sibling
+    module the handler imports), other code. One process imports a name once, so the
+    second model used to run the first one's class (it was refused for that); each
+    folder's modules are now imported under a package of its own."""
     other = tmp_path / "other"
     shutil.copytree(project, other, ignore=shutil.ignore_patterns("__pycache__"))
+    (other / "labels.py").write_text('ORDER = ("versicolor", "setosa")\n')
     handler = other / "handler.py"
-    handler.write_text(
-        handler.read_text().replace('"setosa", "versicolor"', '"versicolor", "setosa"')
-    )
-    done = aserve(
-        "archive", str(other), "-o", str(tmp_path / "other.aserve"), "--skip-tests", cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr
-    shutil.copy(packed, tmp_path / "iris.aserve")
+    text = handler.read_text().replace('"setosa", "versicolor"', "*labels.ORDER")
+    handler.write_text(text.replace("\nimport ", "\nimport labels\nimport ", 1))
+    (project / "labels.py").write_text('ORDER = ("setosa", "versicolor")\n')
+    try:
+        done = aserve(
+            "archive", str(other), "-o", str(tmp_path / "other.aserve"), "--skip-tests",
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        # The first project ships a labels.py of its own, which its handler never imports.
+        mine = aserve(
+            "archive", str(project), "-o", str(tmp_path / "iris.aserve"), "--skip-tests",
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert mine.returncode == 0, mine.stderr
+    finally:
+        (project / "labels.py").unlink()
     config = write_config(tmp_path, {"models": [
         {"name": "iris", "path": "iris.aserve"}, {"name": "other", "path": "other.aserve"},
     ]})  # fmt: skip
-    run = aserve(
-        "--config", str(config), cwd=tmp_path, timeout=100, ASERVE_CACHE_DIR=str(tmp_path / "c")
-    )
-    assert run.returncode == 2, run.stderr
-    assert "models[1].handler: module 'handler' is models[0]'s too" in run.stderr
+    server = start_server(config, extra_env={"ASERVE_CACHE_DIR": str(tmp_path / "c")})
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def labels(model: str) -> list[str]:
+                body = v2_body("FEATURES", ROWS[:4], [1, 4])
+                async with session.post(f"{server.base}/v2/models/{model}/infer", json=body) as r:
+                    answer = await r.json()
+                assert r.status == 200, answer
+                return next(o for o in answer["outputs"] if o["name"] == "LABEL")["data"]
+
+            assert await labels("iris") == ["setosa"]
+            assert await labels("other") == ["versicolor"]
+    finally:
+        server.stop()
 
 
 def _shrink_declared_size(path: Path, name: str, size: int) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from archive_helpers import ROWS, pack, relabelled, scaffold, swap_in, with_files
 from conftest import HANDLERS, ServerProcess, spec, start_server
 from models import Affine, _script_save
 from reload_helpers import get_json, rewrite_config, wait_log, wait_status
@@ -434,6 +435,77 @@ def test_a_repository_load_past_load_timeout_fails_and_the_old_version_serves(
         assert rc == _status_after_stop(server.log_text(), warm_up, executor, "m")
     finally:
         _kill(server)
+
+
+def test_a_repository_load_whose_handler_import_never_returns_fails_within_the_bound(
+    tmp_path: Path,
+) -> None:
+    """An archive replaced in place by one whose handler module never finishes its
+    import. Before: the repository load read the archive and imported the handler
+    on a thread with no bound, so the call never answered and held the change slot
+    (and the exit's join) for good; the import lock it held kept any other handler
+    from importing. Now: 500 naming the bound once load_timeout_s passed, the old
+    content serves on, a fixed archive loads at once, and SIGTERM ends the server
+    (status 1: the import's thread could not be stopped)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    project = scaffold(work)
+    good = pack(project, work / "good.aserve")
+    fixed = pack(relabelled(project, work, "fixed"), work / "fixed.aserve")
+    source = (project / "handler.py").read_bytes()
+    hangs = with_files(good, work / "hangs.aserve", {
+        "handler.py": source + b"\nimport threading\nthreading.Event().wait()  # never set\n",
+    })  # fmt: skip
+    served = tmp_path / "iris.aserve"
+    shutil.copy(good, served)
+    path = tmp_path / "config.json"
+    entry = {"name": "iris", "path": "iris.aserve"}
+    _write(path, {"models": [entry]})
+    server = start_server(
+        path, extra_env={"ASERVE_CACHE_DIR": str(tmp_path / "cache")},
+        extra_args=("--watch-interval", "0"),
+    )  # fmt: skip
+    load = f"{server.base}/v2/repository/models/iris/load"
+    try:
+        # Its own load timeout, applied in place (the startup load had the default).
+        _write(path, {"models": [{**entry, "load_timeout_s": LOAD_TIMEOUT_S}]})
+        server.proc.send_signal(signal.SIGHUP)
+        doc = wait_status(server.base, lambda s: s["reloads"]["ok"] == 1, 60)
+        assert doc["last_reload"]["changes"]["reconfigured"] == ["iris/1"], doc
+
+        swap_in(hangs, served)
+        t0 = time.monotonic()
+        code, answer = _post(load, timeout=60)
+        took = time.monotonic() - t0
+        assert code == 500, answer
+        assert (
+            f"checking model 'iris' did not finish within load_timeout_s ({LOAD_TIMEOUT_S} s): "
+            "importing a handler module has not returned" in answer["error"]
+        ), answer
+        assert took < 30, f"answered after {took:.1f} s"  # never, before
+        doc = wait_status(server.base, lambda s: s["in_progress"] is None, 10)
+        assert doc["last_reload"]["result"] == "rejected", doc
+        assert _label(server) == "setosa"  # the content loaded before serves on
+
+        # The reloader takes the next change: the archive fixed loads at once.
+        swap_in(fixed, served)
+        code, answer = _post(load, timeout=60)
+        assert code == 200, answer
+        assert _label(server) == "fixed"
+        rc, _ = _stop_within_bound(server)
+        log = server.log_text()
+        assert rc == 1, log
+        assert "checking model 'iris'" in log and "could not be stopped" in log, log
+    finally:
+        _kill(server)
+
+
+def _label(server: ServerProcess) -> str:
+    body = {"inputs": [{"name": "FEATURES", "datatype": "FP32", "shape": [1, 4],
+                        "data": ROWS[:4]}]}  # fmt: skip
+    code, answer = _post(f"{server.base}/v2/models/iris/infer", body)
+    assert code == 200, answer
+    return next(o for o in answer["outputs"] if o["name"] == "LABEL")["data"][0]
 
 
 # --- at request time ------------------------------------------------------------

@@ -23,19 +23,10 @@ def check_model_files(config: ServerConfig, base_dir: Path) -> None:
     """Every model's ``path`` must exist (relative paths resolve against ``base_dir``),
     and every python handler must import. Blocking (imports user code): call off the loop."""
     problems = []
-    handler_folders: dict[str, tuple[int, Path]] = {}  # top-level module -> first model, folder
+    # Two folders may hold modules of the same names (two archives' handler.py):
+    # each folder's are imported under a package of its own (handler_imports).
     for i, m in enumerate(config.models):
         folder = m.folder(base_dir)
-        module = (m.handler or "").partition(":")[0].partition(".")[0]
-        local = module and ((folder / f"{module}.py").is_file() or (folder / module).is_dir())
-        first = handler_folders.setdefault(module, (i, folder)) if local else (i, folder)
-        if first[1] != folder:
-            # A process imports a module name once: the second folder's would never load.
-            problems.append(
-                f"models[{i}].handler: module '{module}' is models[{first[0]}]'s too, from "
-                f"another folder ({first[1]}); one server imports a module name once: rename one"
-            )
-            continue
         if m.path is None:
             pass
         elif m.path.startswith(PREFIX):

@@ -49,14 +49,10 @@ Everything in this module runs off the loop.
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -64,15 +60,12 @@ import orjson
 
 from aserve.config import ModelConfig, TensorSpec
 from aserve.engines.base import Engine
+from aserve.engines.handler_imports import import_from
 from aserve.obs.handler_metrics import MetricSet
 from aserve.types.text import first_surrogate
 
 REQUIRED_METHODS = ("load", "preprocess", "infer", "postprocess")
 RAW_METHOD = "preprocess_raw"  # a handler with it serves /predictions
-
-# sys.path is process-wide: one import at a time may extend it.
-_import_lock = threading.Lock()
-_imported_mtime: dict[str, int] = {}
 
 
 class HandlerImportError(Exception):
@@ -186,38 +179,23 @@ def _json_default(value: Any) -> Any:
 
 
 def import_handler(spec: str, base_dir: Path) -> type:
-    """Import ``package.module:ClassName`` with ``base_dir`` on ``sys.path`` for the import.
+    """Import ``package.module:ClassName`` from ``base_dir``.
 
-    A module imported before is imported again when its file changed since,
-    so a reload picks up edited handler code. Raises :class:`HandlerImportError`.
+    The folder's modules are imported under a package of the folder's own
+    (:mod:`aserve.engines.handler_imports`): another folder's modules of the
+    same names (an archive's old content, another model's project) never
+    stand in for them. A folder whose modules changed on disk since they were
+    imported is imported afresh, so a reload picks up edited handler code.
+    Raises :class:`HandlerImportError`.
     """
     module_name, _, class_name = spec.partition(":")
-    folder = str(base_dir)
-    with _import_lock:
-        added = folder not in sys.path
-        if added:
-            sys.path.insert(0, folder)
-        try:
-            importlib.invalidate_caches()
-            module = sys.modules.get(module_name)
-            if module is not None and _from_elsewhere(module_name, module, base_dir):
-                # A module of that name from another folder (an archive replaced in
-                # place has a folder of its own): this folder's is imported afresh.
-                _forget(module_name)
-                module = None
-            if module is None:
-                module = importlib.import_module(module_name)
-            elif _changed(module_name, module):
-                module = importlib.reload(module)
-            _imported_mtime[module_name] = _mtime(module)
-        except Exception as exc:  # ImportError, SyntaxError, whatever the module raised
-            raise HandlerImportError(
-                f"cannot import module '{module_name}' (looked in {folder} and sys.path): "
-                f"{type(exc).__name__}: {exc}"
-            ) from None
-        finally:
-            if added:
-                sys.path.remove(folder)
+    try:
+        module = import_from(base_dir, module_name)
+    except Exception as exc:  # ImportError, SyntaxError, whatever the module raised
+        raise HandlerImportError(
+            f"cannot import module '{module_name}' (looked in {base_dir} and sys.path): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
         raise HandlerImportError(f"module '{module_name}' has no class '{class_name}'")
@@ -248,36 +226,6 @@ def set_torch_threads(count: int) -> None:
     import torch
 
     torch.set_num_threads(count)
-
-
-def _mtime(module: ModuleType) -> int:
-    path = getattr(module, "__file__", None)
-    try:
-        return os.stat(path).st_mtime_ns if path else 0
-    except OSError:
-        return 0
-
-
-def _from_elsewhere(name: str, module: ModuleType, base_dir: Path) -> bool:
-    """Whether ``base_dir`` holds module ``name`` (its top-level package) but
-    ``module`` was imported from somewhere else."""
-    top = name.partition(".")[0]
-    if not ((base_dir / f"{top}.py").is_file() or (base_dir / top).is_dir()):
-        return False
-    path = getattr(module, "__file__", None)
-    return path is None or not Path(path).resolve().is_relative_to(base_dir.resolve())
-
-
-def _forget(name: str) -> None:
-    """Drop module ``name``'s top-level package and everything under it from sys.modules."""
-    top = name.partition(".")[0]
-    for key in [k for k in sys.modules if k == top or k.startswith(f"{top}.")]:
-        del sys.modules[key]
-        _imported_mtime.pop(key, None)
-
-
-def _changed(name: str, module: ModuleType) -> bool:
-    return _imported_mtime.get(name) != _mtime(module)
 
 
 class PythonHandlerEngine(Engine):

@@ -21,7 +21,9 @@ Sections that only a restart can apply (listeners, limits, drain timeout, gpu)
 are compared with what the server started with and reported, not applied.
 
 Each new runtime's load and warm-up is bounded by its ``load_timeout_s``; a
-load past it fails the change like any other failed load. Who waits for a
+load past it fails the change like any other failed load. So is checking a
+config or a repository load's model (handler modules imported), by the longest
+``load_timeout_s`` of the config's models (:func:`check_within`). Who waits for a
 change in progress is :class:`aserve.loop.changes.ChangeSlot`'s call: a newer
 config file supersedes it at once, a repository call waits a few seconds at
 most.
@@ -291,9 +293,12 @@ class Reloader:
         async with self._slot.hold(trigger, digest):
             self._sweeper.want()  # after this change, applied or not: its archives are held
             try:
-                # Importing handlers runs user code: on a thread nothing waits for at exit.
-                what = f"checking the config ({trigger})"
-                file_config = await run_off_loop(what, self._validate, raw)
+                # Reading archives and importing handlers: on threads nothing waits for
+                # at exit, the imports (user code) bounded too.
+                file_config = await run_off_loop(
+                    f"reading the config ({trigger})", self._parse, raw
+                )
+                await check_within(f"checking the config ({trigger})", file_config, self._check)
                 unloaded = self.unloaded & {m.name for m in file_config.models}
                 changes = await self._apply(file_config, unloaded)
             except (ConfigError, ReloadRejected) as exc:
@@ -319,24 +324,23 @@ class Reloader:
         for line in self.status.restart_required:
             log.warning("config change needs a restart to take effect: %s", line)
 
-    def _reread_archives(self, name: str) -> ServerConfig:
+    def _reread_archives(self, name: str) -> ServerConfig | None:
         """The config in force, with the models of ``name`` that an archive gives
         read again from the config's bytes in force: an archive replaced in place
         since has another digest, so another ``root``, and the diff replaces the
-        model. The other models stay as they are. Blocking: runs in a thread."""
+        model. The other models stay as they are. None when no model of ``name``
+        comes from an archive. Blocking: runs in a thread; the caller checks it."""
         config = self._file_config
         models = [m for m in config.models if m.name == name]
         if self._applied_raw is None or not any(archive_cache.digest_of(m.root) for m in models):
-            return config
+            return None
         assert self._source is not None
         data = orjson.loads(self._applied_raw)  # parsed before: valid JSON
         again = parse_config(data, source=str(self._source.path), base_dir=self._server.base_dir)
         fresh = {m.key: m for m in again.models}
-        merged = config.model_copy(update={
+        return config.model_copy(update={
             "models": [fresh.get(m.key, m) if m.name == name else m for m in config.models],
         })  # fmt: skip
-        check_model_files(merged, self._server.base_dir)
-        return merged
 
     def _names_archives(self) -> bool:
         return any(archive_cache.digest_of(m.root) for m in self._file_config.models)
@@ -348,17 +352,19 @@ class Reloader:
         runtimes = [*self._server.registry, *self._draining]
         return [m.root for m in self._file_config.models] + [rt.config.root for rt in runtimes]
 
-    def _validate(self, raw: bytes) -> ServerConfig:
-        """Parse, validate, check files and import handlers. Blocking: runs in a thread."""
+    def _parse(self, raw: bytes) -> ServerConfig:
+        """Parse and validate (archives read and checked). Blocking: runs in a thread."""
         assert self._source is not None
         path = self._source.path
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-        config = parse_config(data, source=str(path), base_dir=self._server.base_dir)
+        return parse_config(data, source=str(path), base_dir=self._server.base_dir)
+
+    def _check(self, config: ServerConfig) -> None:
+        """Check files and import handlers. Blocking (user code): runs in a thread."""
         check_model_files(config, self._server.base_dir)
-        return config
 
     def _reject(self, trigger: str, message: str) -> None:
         log.error(
@@ -405,7 +411,13 @@ class Reloader:
             trigger = f"repository load '{name}'"
             self._sweeper.want()
             try:
-                file_config = await asyncio.to_thread(self._reread_archives, name)
+                # As a config reload does: threads nothing waits for at exit, the
+                # handler imports bounded.
+                what = f"reading the archive of model '{name}' again"
+                again = await run_off_loop(what, self._reread_archives, name)
+                if again is not None:
+                    await check_within(f"checking model '{name}'", again, self._check)
+                file_config = self._file_config if again is None else again
                 changes = await self._apply(file_config, unloaded, reload_names={name})
             except (ConfigError, ReloadRejected) as exc:
                 self._reject(trigger, str(exc))
@@ -556,6 +568,27 @@ class Reloader:
             log.exception("unloading model %s failed", runtime.label)
             return
         log.info("model %s drained and unloaded", runtime.label)
+
+
+async def check_within(
+    what: str, config: ServerConfig, check: Callable[[ServerConfig], None]
+) -> None:
+    """``check(config)`` (files checked, handlers imported) on a thread of
+    :func:`run_off_loop`, given up after the longest ``load_timeout_s`` of the
+    config's models: a handler module whose import never returns fails the
+    change (:class:`ReloadRejected`) rather than hold every later one; its
+    thread is left running, and the stop says so."""
+    timeout_s = max(
+        (config.load_timeout_of(m) for m in config.models), default=config.load_timeout_s
+    )
+    try:
+        await asyncio.wait_for(run_off_loop(what, check, config), timeout_s)
+    except asyncio.TimeoutError:
+        raise ReloadRejected(
+            f"{what} did not finish within load_timeout_s ({timeout_s:g} s): importing a "
+            "handler module has not returned (it is left running; a fixed version "
+            "loads at once, a restart ends it)"
+        ) from None
 
 
 def change_of(
