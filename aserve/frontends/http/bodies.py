@@ -19,12 +19,13 @@ chunk that would take the total over the limit is refused at once,
 wherever in its body it comes: :class:`~aserve.errors.QueueFull`, HTTP 429
 with ``Retry-After``, as ``limits.max_concurrency`` refuses, naming the
 limit, and counted under ``aserve_rejected_requests{reason="max_inflight_bytes"}``;
-what that body had arrived is dropped then and counted until its answer is
-sent. What is left of it is read and dropped after the answer (aiohttp's
-lingering close, 10 s at most), so that the client, still sending, reads its
-answer rather than a reset connection; none of it is held. Refused rather
-than parked: a client can retry elsewhere, and a parked body would hold its
-connection and the bytes it sent already. The limit is at least
+what of that body had arrived is dropped then, and stops counting then, so
+that the other bodies go on. What is left of it is read and dropped after
+the answer (aiohttp's lingering close, 10 s at most), so that the client,
+still sending, reads its answer rather than a reset connection; none of it
+is held. Refused rather than parked: a client can retry elsewhere, and a
+parked body would hold its connection and the bytes it sent already. The
+limit is at least
 ``max_request_bytes``, so one body of the largest size fits when nothing
 else is held. A body that has all arrived with its request's head is not
 counted (the app reads it without coming here): it is in memory already,
@@ -42,8 +43,9 @@ least four connections (one body is at most ``max_request_bytes``). That
 is what an honest upload of that rate costs too; what is held lies mostly
 in the spool files (below), not in memory. Bodies that arrive at once
 compete for the budget by arrival, not by who came first: when they pass
-it together, the one whose chunk comes then is refused, and the others
-go on with its bytes freed.
+it together, the one whose chunk comes then is refused, and the others go
+on with its bytes freed (eight 60 MB bodies at once: four served, four
+refused, as many as when declared lengths were charged).
 
 **Where: a temporary file, over :data:`SPOOL_OVER_BYTES`.** A body held in
 memory is held twice at its end (its pieces and their join) and copied by
@@ -112,7 +114,14 @@ class BodyBudget:
         """Count ``total`` bytes for ``request``'s body (when more than it counts
         already): bytes that arrived or that it inflated to, never a declared length.
 
-        Raises :class:`QueueFull` when that would take the total over the limit.
+        Raises :class:`QueueFull` when that would take the total over the limit,
+        and lets go of what ``request`` held at once: its body is dropped as the
+        error unwinds, with no await on the way, so the bodies still arriving
+        can use the room before the refusal is answered. (Counted until the
+        answer was sent, bodies that passed the limit together were
+        refused, one chunk after another, while the first refusal was being
+        answered: of eight bodies of 60 MB sent at once, none or two were
+        served.)
         """
         had = request.get(HELD_KEY, 0)
         extra = total - had
@@ -120,9 +129,11 @@ class BodyBudget:
             return
         if self.held + extra > self.limit:
             self._rejected["max_inflight_bytes"] = self._rejected.get("max_inflight_bytes", 0) + 1
+            self.held -= had
+            request[HELD_KEY] = 0
             raise QueueFull(
                 f"request body: {total} bytes of it so far, and the server holds "
-                f"{self.held - had} bytes of other request bodies; its limit "
+                f"{self.held} bytes of other request bodies; its limit "
                 f"limits.max_inflight_bytes is {self.limit}; retry later"
             )
         if not had:
