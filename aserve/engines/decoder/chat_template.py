@@ -11,15 +11,21 @@ work *while it runs*, and each render gets a :class:`RenderBudget` of
 - **steps**: every turn of a ``{% for %}`` loop (each loop's iterable is
   wrapped when the template is compiled, and so is the argument of a
   recursive loop's ``loop(...)``), every call (macros included), attribute or
-  item lookup, ``+ * ** %`` operator, ``~`` concatenation, filter and piece of
-  output costs one; past ``max_steps`` the render stops.
+  item lookup, ``+ * ** %`` operator, ``~`` concatenation, comparison, filter,
+  test and piece of output costs one; past ``max_steps`` the render stops.
+  What goes through a container in one C or Python call of its own (``in``,
+  ``==``, ``select``, ``sort``, ``list.count``, hashing a key) costs a step
+  for each slot it goes through, charged before it runs, and a filter that
+  takes its value item by item takes each item as a step
+  (:mod:`.template_steps`).
 - **time**: the clock is read at each step; past the deadline the render stops.
 - **size**: a value the template makes (by an operator, a filter, a method of
   ``str``, a concatenation, a list or dict written in the template, a
   ``{% set %}`` block or a macro's text) is measured *before* it is made where
   it could outgrow what it is made of (a string's characters, a container's
-  items counted deeply), and refused past ``max_chars``; all of them together
-  may come to :data:`MADE_FACTOR` x ``max_chars``; the output may be at most
+  items counted deeply), and refused past ``max_chars``; all of them together,
+  containers by their slots too, may come to :data:`MADE_FACTOR` x
+  ``max_chars``; the output may be at most
   ``max_chars``. Integers stay under :data:`MAX_INT_BITS`.
 
 Between two steps a template runs only a stretch of its own text once, and
@@ -41,12 +47,15 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import itertools
 import json
 import math
+import operator
 import re
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator as IteratorType
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -68,9 +77,23 @@ from aserve.engines.decoder.template_sizes import (
     MAX_INT_BITS,
     SIZED,
     binop_size,
+    made_size,
     method_size,
     total_size,
     value_size,
+)
+from aserve.engines.decoder.template_steps import (
+    COMPARING_TESTS,
+    ITEM_BY_ITEM_FILTERS,
+    LOOKING_FILTERS,
+    LOOKING_TESTS,
+    LOOKUP_METHODS,
+    SIZED_ITERABLES,
+    SORTING_FILTERS,
+    comparison_steps,
+    containment_steps,
+    slot_count,
+    sorting_steps,
 )
 from aserve.errors import AserveError, Cancelled, InvalidArgument
 
@@ -169,16 +192,18 @@ class RenderBudget:
 
     def made(self, value: Any, size: int | None = None) -> Any:
         """Check a value the template made (or was handed by a call), of ``size``
-        if that is known already; refuse it when it is too large. Text counts
-        toward the total made: containers mostly hold what exists already, and
-        the ones that can grow are measured before they are made."""
+        if that is known already; refuse it when it is too large. Text and
+        containers count toward the total made, a container by its slots and
+        what they hold (see :func:`.template_sizes.made_size`): a container
+        of shared items is small, but making many of them is not."""
         if isinstance(value, SIZED):
-            if size is None or isinstance(value, (str, bytes)):
-                size = value_size(value, self.bounds.max_chars)
+            limit = self.bounds.max_chars
+            if isinstance(value, (str, bytes)):
+                size = charge = len(value)
+            else:
+                size, charge = made_size(value, limit)
             self.allow(size)
-            if not isinstance(value, (str, bytes)):
-                return value
-            self.made_left -= size
+            self.made_left -= charge
             if self.made_left < 0:
                 raise TemplateLimit(
                     f"messages: the chat template made more than {MADE_FACTOR} x "
@@ -190,6 +215,23 @@ class RenderBudget:
                 f"messages: the chat template made an integer of more than {MAX_INT_BITS} bits"
             )
         return value
+
+    def passes(self, values: Iterable[Any]) -> None:
+        """Spend a step for each slot of the containers in ``values``: what a C
+        call that goes through them (compares, hashes, copies or prints
+        them) does with no step of its own in between."""
+        steps = 0
+        for value in values:
+            steps += slot_count(value, self.steps_left - steps)
+            if steps > self.steps_left:
+                break
+        self.spend(steps)
+
+    def counted(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """``iterable``'s items, a step each as it is taken."""
+        for item in iterable:
+            self.spend()
+            yield item
 
 
 _BUDGET: contextvars.ContextVar[RenderBudget | None] = contextvars.ContextVar(
@@ -210,14 +252,36 @@ def _budget() -> RenderBudget:
 
 
 def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` counted: a step, then the slots of what it goes through (see
+    :mod:`.template_steps`), then its size bound, if it has one."""
     skip = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0
     estimate = FILTER_SIZES.get(name)
     looping = name in LOOPING_FILTERS
+    looks = name in LOOKING_FILTERS
+    by_item = name in ITEM_BY_ITEM_FILTERS
+    sorts = name in SORTING_FILTERS
 
     @functools.wraps(f)  # keeps jinja_pass_arg: Jinja passes the same first argument
     def bounded(*args: Any, **kwargs: Any) -> Any:
         budget = _budget()
         budget.spend()
+        if not looks and len(args) > skip:
+            value = args[skip]
+            if sorts:
+                # Sorting takes all the items at once: a step each, then what
+                # comparing them costs.
+                if isinstance(value, dict):  # dictsort's: a copy of its pairs, in C
+                    pairs = list(value.items())
+                    budget.spend(len(pairs))
+                else:
+                    value = pairs = list(budget.counted(value))
+                budget.spend(sorting_steps(pairs, budget.steps_left))
+                budget.passes(itertools.chain(args[skip + 1 :], kwargs.values()))
+            else:
+                budget.passes(itertools.chain(args[skip:], kwargs.values()))
+                if by_item:
+                    value = budget.counted(value)
+            args = (*args[:skip], value, *args[skip + 1 :])
         if estimate is not None:
             size = estimate(budget.bounds.max_chars, *args[skip:], **kwargs)
             budget.allow(size)
@@ -226,6 +290,47 @@ def _bounded_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
         return budget.made(f(*args, **kwargs))
 
     return bounded
+
+
+def _bounded_test(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` counted: a step, and what the C call it makes goes through (a
+    test is called once per item by ``select`` and the others)."""
+    skip = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0
+
+    @functools.wraps(f)
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        budget = _budget()
+        budget.spend()
+        own = args[skip:]
+        if name in LOOKING_TESTS:
+            pass
+        elif name == "in" and len(own) == 2 and not kwargs:
+            value, seq = own
+            if isinstance(seq, IteratorType):
+                seq = budget.counted(seq)
+            else:
+                budget.spend(containment_steps(value, seq, budget.steps_left))
+            args = (*args[:skip], value, seq)
+        elif name in COMPARING_TESTS and len(own) == 2 and not kwargs:
+            budget.spend(comparison_steps(*own, budget.steps_left))
+        else:
+            budget.passes(itertools.chain(own, kwargs.values()))
+        return f(*args, **kwargs)
+
+    return bounded
+
+
+# Jinja's comparison operators, by the names of its syntax tree.
+_COMPARISONS: dict[str, Callable[[Any, Any], Any]] = {
+    "eq": operator.eq,
+    "ne": operator.ne,
+    "gt": operator.gt,
+    "gteq": operator.ge,
+    "lt": operator.lt,
+    "lteq": operator.le,
+    "in": lambda a, b: a in b,
+    "notin": lambda a, b: a not in b,
+}
 
 
 @pass_eval_context
@@ -307,6 +412,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         filters["join"] = _join
         filters["tojson"] = _bounded_filter("tojson", _tojson)
         self.filters = filters
+        self.tests = {name: _bounded_test(name, f) for name, f in self.tests.items()}
         self.globals.pop("lipsum", None)
         self.globals["namespace"] = _Namespace
         self.globals["raise_exception"] = _raise
@@ -329,10 +435,14 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         return value
 
     def getitem(self, obj: Any, argument: Any) -> Any:
-        _budget().spend()
+        budget = _budget()
+        budget.spend()
+        budget.passes((argument,))  # a key is hashed, and compared
         value = super().getitem(obj, argument)
+        if isinstance(argument, slice):
+            return budget.made(value)  # a copy
         if not isinstance(obj, _PLAIN):
-            _budget().checked(value)
+            budget.checked(value)
         return value
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
@@ -349,6 +459,9 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         budget = _budget()
         budget.spend()
+        if getattr(obj, "__self__", None) is self:
+            # The hooks the template was rewritten to call count for themselves.
+            return super().call(context, obj, *args, **kwargs)
         if isinstance(obj, LoopContext) and args:
             # A recursive loop's loop(items): its turns count like any loop's.
             args = (self.bounded_iter(args[0]), *args[1:])
@@ -359,8 +472,12 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                 limit = budget.bounds.max_chars
                 budget.allow(total_size(items, limit) + len(target) * max(len(items) - 1, 0))
                 args = (items,)
-        else:
+        elif not isinstance(obj, Macro):  # a macro's arguments are handed over, not gone through
             budget.allow(method_size(obj, args, kwargs, budget.bounds.max_chars))
+            owner = getattr(obj, "__self__", None)
+            if isinstance(owner, SIZED_ITERABLES) and obj.__name__ not in LOOKUP_METHODS:
+                budget.passes((owner,))  # list.index(x), list.count(x), ...
+            budget.passes(itertools.chain(args, kwargs.values()))
         result = super().call(context, obj, *args, **kwargs)
         if isinstance(obj, Macro):
             return result  # its text was counted as it was written
@@ -404,6 +521,26 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         join = markup_join if eval_ctx.autoescape else str_join
         return budget.made(join(values))
 
+    def compare(self, left: Any, ops: tuple[str, ...], rights: list[Any]) -> bool:
+        """``a == b``, ``a in b`` and the others, chained: each counted by
+        what it goes through (an iterator by its items, as they are taken).
+        The operands are all evaluated first, as a list; a chain stops at the
+        first comparison that is false, as Python's does."""
+        budget = _budget()
+        budget.spend()
+        for op, right in zip(ops, rights, strict=True):
+            if op in ("in", "notin"):
+                if isinstance(right, IteratorType):
+                    right = budget.counted(right)
+                else:
+                    budget.spend(containment_steps(left, right, budget.steps_left))
+            else:
+                budget.spend(comparison_steps(left, right, budget.steps_left))
+            if not _COMPARISONS[op](left, right):
+                return False
+            left = right
+        return True
+
     def checked_value(self, value: Any) -> Any:
         """A list, tuple or dict written in the template with computed items."""
         budget = _budget()
@@ -433,6 +570,15 @@ class _Bounds(NodeTransformer):
         node = self.generic_visit(node)
         node.iter = self._through("bounded_iter", node.iter, node)
         return node
+
+    def visit_Compare(self, node: nodes.Compare) -> nodes.Node:
+        node = self.generic_visit(node)
+        ops = nodes.Const(tuple(o.op for o in node.ops), lineno=node.lineno)
+        rights = nodes.List([o.expr for o in node.ops], lineno=node.lineno)
+        call = nodes.Call(
+            nodes.EnvironmentAttribute("compare"), [node.expr, ops, rights], [], None, None
+        )
+        return call.set_lineno(node.lineno).set_environment(self._env)
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
         node = self.generic_visit(node)

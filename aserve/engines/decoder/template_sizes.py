@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from jinja2 import TemplateError
+from markupsafe import Markup
 
 # Integers a template may make: arithmetic on larger ones runs in one C call,
 # and a 4096-bit number has 1,234 digits, more than any chat needs.
@@ -28,6 +29,15 @@ CONTAINERS = (
     list, tuple, dict, set, frozenset, type({}.keys()), type({}.values()), type({}.items())
 )  # fmt: skip
 SIZED = (str, bytes, *CONTAINERS)
+# What escaping may make of a string given to a Markup's operator or method
+# ('"' becomes '&#34;').
+ESCAPE_GROWTH = 5
+
+
+# What a container the template makes counts toward the total it may make, in
+# characters: a slot is a pointer, and each container has a header of its own.
+SLOT_CHARS = 8
+CONTAINER_CHARS = 64
 
 
 def value_size(value: Any, limit: int, indent: int = 0) -> int:
@@ -39,22 +49,38 @@ def value_size(value: Any, limit: int, indent: int = 0) -> int:
         return len(value)
     if not isinstance(value, CONTAINERS):
         return 1 + value.bit_length() // 3 if isinstance(value, int) else 1
-    total = 0
+    return _measure(value, limit, indent)[0]
+
+
+def made_size(value: Any, limit: int) -> tuple[int, int]:
+    """A container's :func:`value_size`, and the characters it counts toward
+    the total a render may make: its text, and :data:`SLOT_CHARS` a slot and
+    :data:`CONTAINER_CHARS` a container, for it and each one it holds (one
+    held twice counts twice)."""
+    size, slots, containers = _measure(value, limit, 0)
+    return size, size + (SLOT_CHARS - 1) * slots + CONTAINER_CHARS * containers
+
+
+def _measure(value: Any, limit: int, indent: int) -> tuple[int, int, int]:
+    total = slots = containers = 0
     level: list[Any] = [value]  # the containers of one depth, then of the next
     depth = 0
     while level:
         below: list[Any] = []
         per_item = 1 + (depth + 1) * indent
         for v in level:
-            total += len(v) * per_item
+            n = len(v)
+            total += n * per_item
+            slots += n
+            containers += 1
             if total > limit:
-                return total
+                return total, slots, containers
             for x in itertools.chain(v, v.values()) if isinstance(v, dict) else v:
                 t = type(x)  # the exact types first: this loop is the cost
                 if t is str:
                     total += len(x)
                     if total > limit:
-                        return total
+                        return total, slots, containers
                 elif t is int:
                     total += x.bit_length() // 3
                 elif t is dict or t is list or isinstance(x, CONTAINERS):
@@ -64,9 +90,9 @@ def value_size(value: Any, limit: int, indent: int = 0) -> int:
                 elif isinstance(x, int):
                     total += x.bit_length() // 3
             if total > limit:
-                return total
+                return total, slots, containers
         level, depth = below, depth + 1
-    return total
+    return total, slots, containers
 
 
 def total_size(values: Iterable[Any], limit: int) -> int:
@@ -98,7 +124,7 @@ def percent_size(fmt: str | bytes, values: Any, limit: int) -> int:
     else:
         args = (values,)
     args = list(args)
-    size = len(text) + total_size(args, limit)
+    size = len(text) + total_size(args, limit) * (ESCAPE_GROWTH if isinstance(fmt, Markup) else 1)
     for m in _PERCENT.finditer(text):
         for number in m.groups():
             if number is None:
@@ -116,7 +142,11 @@ def binop_size(operator: str, left: Any, right: Any, limit: int) -> int:
     if operator == "+":
         if isinstance(left, SIZED) and isinstance(right, SIZED):
             size = value_size(left, limit)
-            return size + (size if right is left else value_size(right, limit))
+            size += size if right is left else value_size(right, limit)
+            # A Markup escapes the other side.
+            return size * (
+                ESCAPE_GROWTH if isinstance(left, Markup) or isinstance(right, Markup) else 1
+            )
     elif operator == "*":
         if isinstance(left, int) and isinstance(right, (str, bytes, list, tuple)):
             left, right = right, left
@@ -137,10 +167,15 @@ def binop_size(operator: str, left: Any, right: Any, limit: int) -> int:
 
 def method_size(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any], limit: int) -> int:
     """A bound on what a call of a ``str`` or ``bytes`` method that can outgrow its
-    string (or ``int.to_bytes``) makes; 0 for any other call."""
-    if not isinstance(obj, types.BuiltinMethodType):
+    string (or ``int.to_bytes``) makes; 0 for any other call. A Markup's methods
+    are Python's, over ``str``'s, with their string arguments escaped."""
+    if not isinstance(obj, (types.BuiltinMethodType, types.MethodType)):
         return 0
     s, name = obj.__self__, obj.__name__
+    if isinstance(s, Markup):
+        args = tuple(Markup.escape(a) if isinstance(a, str) else a for a in args)
+    elif not isinstance(obj, types.BuiltinMethodType):
+        return 0
     if isinstance(s, int) and name == "to_bytes":
         return _int(args[0] if args else kwargs.get("length", 1))
     if not isinstance(s, (str, bytes)):
