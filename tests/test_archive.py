@@ -12,12 +12,11 @@ import stat
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
-from archive_helpers import ROWS, aserve
+from archive_helpers import ROWS, aserve, listed, rebuild
 from archive_helpers import env as _env
 from conftest import start_server, write_config
 from helpers import v2_body
@@ -213,30 +212,6 @@ def test_processes_extracting_at_once_agree(packed: Path, tmp_path: Path) -> Non
 # --- hostile archives ------------------------------------------------------------
 
 
-def rebuild(src: Path, dst: Path, change: Callable[[dict[str, bytes], dict], None],
-            modes: dict[str, int] | None = None) -> Path:  # fmt: skip
-    """``src`` rewritten: ``change(members, manifest)`` edits the member bytes and the
-    manifest in place; ``modes`` gives members a file type (a symlink)."""
-    with zipfile.ZipFile(src) as zf:
-        members = {n: zf.read(n) for n in zf.namelist() if n != archive.MANIFEST}
-        manifest = json.loads(zf.read(archive.MANIFEST))
-    change(members, manifest)
-    with zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zf:
-        for name, data in members.items():
-            info = zipfile.ZipInfo(name)
-            info.external_attr = (modes or {}).get(name, stat.S_IFREG | 0o644) << 16
-            info.compress_type = zipfile.ZIP_DEFLATED
-            zf.writestr(info, data)
-        zf.writestr(archive.MANIFEST, json.dumps(manifest))
-    return dst
-
-
-def _listed(manifest: dict, name: str, data: bytes) -> None:
-    manifest["members"].append(
-        {"path": name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-    )
-
-
 def _tamper(members: dict[str, bytes], manifest: dict) -> None:
     # The same size, other bytes: only the hash can tell.
     members["handler.py"] = members["handler.py"].replace(b'"setosa"', b'"SETOSA"')
@@ -244,17 +219,17 @@ def _tamper(members: dict[str, bytes], manifest: dict) -> None:
 
 def _slip(members: dict[str, bytes], manifest: dict) -> None:
     members["../evil.py"] = b"print('escaped')\n"
-    _listed(manifest, "../evil.py", members["../evil.py"])
+    listed(manifest, "../evil.py", members["../evil.py"])
 
 
 def _absolute(members: dict[str, bytes], manifest: dict) -> None:
     members["/tmp/evil.py"] = b"print('escaped')\n"
-    _listed(manifest, "/tmp/evil.py", members["/tmp/evil.py"])
+    listed(manifest, "/tmp/evil.py", members["/tmp/evil.py"])
 
 
 def _symlink(members: dict[str, bytes], manifest: dict) -> None:
     members["link"] = b"/etc/passwd"
-    _listed(manifest, "link", members["link"])
+    listed(manifest, "link", members["link"])
 
 
 def _missing(members: dict[str, bytes], manifest: dict) -> None:
@@ -268,7 +243,7 @@ def _extra(members: dict[str, bytes], manifest: dict) -> None:
 def _bomb(members: dict[str, bytes], manifest: dict) -> None:
     # 64 MiB of zeros deflate to ~64 KiB; the limit in these tests is 16 MiB.
     members["zeros.bin"] = bytes(64 << 20)
-    _listed(manifest, "zeros.bin", members["zeros.bin"])
+    listed(manifest, "zeros.bin", members["zeros.bin"])
 
 
 def _lying_size(members: dict[str, bytes], manifest: dict) -> None:
@@ -454,7 +429,7 @@ def test_a_bomb_whose_headers_lie_is_cut_at_its_declared_size(
 ) -> None:
     def lying(members: dict[str, bytes], manifest: dict) -> None:
         members["zeros.bin"] = bytes(64 << 20)
-        _listed(manifest, "zeros.bin", bytes(10))  # the manifest agrees with the lying headers
+        listed(manifest, "zeros.bin", bytes(10))  # the manifest agrees with the lying headers
 
     bad = rebuild(packed, tmp_path / "bad.aserve", lying)
     _shrink_declared_size(bad, "zeros.bin", 10)
