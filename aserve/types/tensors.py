@@ -29,21 +29,12 @@ V2_TO_NUMPY: Final[dict[str, np.dtype]] = {
     "BYTES": np.dtype(object),
 }
 
-NUMPY_TO_V2: Final[dict[np.dtype, str]] = {v: k for k, v in V2_TO_NUMPY.items()}
-
 DATATYPES: Final[tuple[str, ...]] = tuple(V2_TO_NUMPY)
 
 
 def numpy_dtype(datatype: str) -> np.dtype:
     """The numpy dtype of a V2 datatype name (``KeyError`` if unknown)."""
     return V2_TO_NUMPY[datatype]
-
-
-def v2_datatype(dtype: np.dtype) -> str:
-    """The V2 name of a numpy dtype; str/bytes arrays map to BYTES."""
-    if dtype.kind in "OSU":
-        return "BYTES"
-    return NUMPY_TO_V2[np.dtype(dtype)]
 
 
 def dtype_fits(dtype: np.dtype, datatype: str) -> bool:
