@@ -2,8 +2,8 @@
 (pure, no I/O; codecs layer).
 
 :func:`as_timeout` is the one rule of what a timeout is: a finite positive
-number. The server applies it to the ``aserve-timeout-ms`` header and to the
-body parameters ``timeout_ms`` (aserve's spelling) and ``timeout``
+number. The server applies it to the ``aserve-timeout-ms`` header
+(:func:`header_timeout_s`) and to the body parameters ``timeout_ms`` (aserve's spelling) and ``timeout``
 (microseconds, Triton's), refusing anything else (``inf``, ``NaN``, ``0``,
 ``-1``, ``true``, text) with :class:`InvalidArgument` naming where it came
 from; ``aserve.Batched`` applies it to its ``timeout_ms`` arguments, before
@@ -16,9 +16,12 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from aserve.errors import InvalidArgument
+
+# The HTTP header that asks for a request's timeout, in milliseconds.
+TIMEOUT_HEADER: Final = "aserve-timeout-ms"
 
 
 def parameter_timeout_s(params: Mapping[str, Any] | None) -> float | None:
@@ -32,6 +35,24 @@ def parameter_timeout_s(params: Mapping[str, Any] | None) -> float | None:
     if "timeout" in params:
         asked.append(_positive(params["timeout"], "timeout") / 1e6)
     return min(asked, default=None)
+
+
+def header_timeout_s(value: str | None) -> float | None:
+    """Seconds from the :data:`TIMEOUT_HEADER` header's raw value; None when it
+    is absent, :class:`InvalidArgument` naming it when it is not a finite
+    positive number of milliseconds."""
+    if value is None:
+        return None
+    try:
+        ms = as_timeout(float(value))
+    except ValueError:
+        ms = None
+    if ms is None:
+        shown = value[:40].encode("ascii", "backslashreplace").decode()  # junk stays one line
+        raise InvalidArgument(
+            f"header {TIMEOUT_HEADER}: '{shown}' must be a finite positive number of ms"
+        )
+    return ms / 1e3
 
 
 def as_timeout(value: Any) -> float | None:

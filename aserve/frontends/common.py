@@ -33,8 +33,10 @@ from time import perf_counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
-from aserve.codecs.timeouts import as_timeout
-from aserve.errors import AserveError, ErrorCode, InternalError, InvalidArgument, QueueFull
+# TIMEOUT_HEADER: the frontends' name for it is this module's (see above).
+from aserve.codecs.timeouts import TIMEOUT_HEADER as TIMEOUT_HEADER
+from aserve.codecs.timeouts import header_timeout_s
+from aserve.errors import AserveError, ErrorCode, InternalError, QueueFull
 from aserve.obs.logs import CURRENT, RequestInfo, access_record
 from aserve.obs.metrics import OK
 from aserve.obs.stats import LATENCY_BUCKETS_S, Histogram
@@ -46,7 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aserve.frontends")
 
-TIMEOUT_HEADER: Final = "aserve-timeout-ms"
 FINAL: Final = "triton_final_response"
 EMPTY_FINAL: Final = "triton_enable_empty_final_response"
 
@@ -158,24 +159,9 @@ def resolve_deadline(
     ``default_s`` (the model's); at most ``max_s`` (``limits.max_timeout_ms``)."""
     timeout = default_s
     if header is not None or parameter_s is not None or call_s is not None:
-        given = [t for t in (_header_s(header), parameter_s, call_s) if t is not None]
+        given = [t for t in (header_timeout_s(header), parameter_s, call_s) if t is not None]
         timeout = min(given)
     return timeout if timeout < max_s else max_s
-
-
-def _header_s(value: str | None) -> float | None:
-    if value is None:
-        return None
-    try:
-        ms = as_timeout(float(value))
-    except ValueError:
-        ms = None
-    if ms is None:
-        shown = value[:40].encode("ascii", "backslashreplace").decode()  # junk stays one line
-        raise InvalidArgument(
-            f"header {TIMEOUT_HEADER}: '{shown}' must be a finite positive number of ms"
-        )
-    return ms / 1e3
 
 
 class admit_and_count:  # lower case: it reads as a function, `with admit_and_count(...)`

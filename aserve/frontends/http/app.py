@@ -18,13 +18,13 @@ import asyncio
 import functools
 import gzip
 import logging
-import math
 import zlib
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from aserve import __version__
+from aserve.codecs.timeouts import header_timeout_s
 from aserve.codecs.v2 import decode_request, encode_response, json_object
 from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, InvalidArgument, RequestTimeout, TooLarge, Unavailable
@@ -439,10 +439,9 @@ def _budget_s(request: web.Request) -> float | None:
     header = request.headers.get(TIMEOUT_HEADER)
     if header is not None:
         try:
-            ms = float(header)
-        except ValueError:
+            return header_timeout_s(header)
+        except InvalidArgument:
             return None
-        return ms / 1e3 if math.isfinite(ms) and ms > 0 else None
     runtime = request.get(RUNTIME_KEY)
     return None if runtime is None else float(runtime.default_timeout_s)
 
