@@ -290,11 +290,9 @@ class Batcher:
         # guess at half the budget. In a fresh spell everything ahead came with this
         # request (a burst), and none has a deadline before the spell's first one.
         ahead_deadline = min(self._fresh_until, deadline) if fresh else deadline
-        heap = self._heap
-        while heap and not heap[0].queued:  # stale entries of earlier work
-            heapq.heappop(heap)
-        if heap:
-            ahead_deadline = min(ahead_deadline, heap[0].deadline)
+        top = self._top()
+        if top is not None:
+            ahead_deadline = min(ahead_deadline, top.deadline)
         if ahead_requests and not fresh:  # reserved, so not in the heap: deadlines unknown
             ahead_deadline = min(ahead_deadline, start + (deadline - start) / 2)
         staged = self._staged
@@ -366,6 +364,25 @@ class Batcher:
         self._queued_requests -= 1
         self._queued_items -= req.batch_size
 
+    def _top(self) -> InferenceRequest | None:
+        """The most urgent queued request (None: nothing queued).
+
+        The heap keeps stale entries, requests no longer queued (a cancelled one
+        is only marked, so that a cancellation costs no heap work), until they
+        reach its top or :meth:`_compact` rebuilds it. Here they are dropped,
+        and only here.
+        """
+        heap = self._heap
+        while heap and not heap[0].queued:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+    def _pop_top(self) -> InferenceRequest:
+        """Take the request :meth:`_top` just returned out of the queue."""
+        req = heapq.heappop(self._heap)
+        self._unqueue(req)
+        return req
+
     def _compact(self) -> None:
         # Stale entries (cancelled, or already dispatched behind a request that
         # still waits) are skipped lazily; rebuild when they dominate, so neither
@@ -436,11 +453,10 @@ class Batcher:
         """Every instance is busy: stage the batch the policy would cut the moment
         the first one frees up (its expected end), if it would cut one then."""
         assert self._stager is not None
-        heap = self._heap
-        while not heap[0].queued:
-            heapq.heappop(heap)
+        top = self._top()
+        assert top is not None  # called with requests queued
         start = self._first_free_at(now)
-        view = QueueView(self._queued_items, self._oldest_arrival(), heap[0].deadline)
+        view = QueueView(self._queued_items, self._oldest_arrival(), top.deadline)
         decision = plan(start, view, 1, self.limits, self.latency.estimate,
                         self._rate.per_second(now), self._echo_at(start))  # fmt: skip
         if decision.take == 0:
@@ -466,10 +482,8 @@ class Batcher:
                 return
             if not self._queued_requests:
                 return
-            heap = self._heap
-            while heap and not heap[0].queued:
-                heapq.heappop(heap)
-            if not heap:
+            top = self._top()
+            if top is None:
                 return
             key = running.requests[0].shape_key
             latest = max(r.deadline for r in running.requests)
@@ -478,28 +492,19 @@ class Batcher:
             # What the policy would cut from the staged requests and the queue together.
             oldest = min(self._oldest_arrival(), *(r.arrival for r in running.requests))
             view = QueueView(running.size + self._queued_items, oldest,
-                             min(earliest, heap[0].deadline))  # fmt: skip
+                             min(earliest, top.deadline))  # fmt: skip
             take = plan(start, view, 1, self.limits, self.latency.estimate,
                         self._rate.per_second(now), self._echo_at(start)).take  # fmt: skip
             room = take - running.size
             grown = earliest
-            while heap and room > 0:
-                req = heap[0]
-                if not req.queued:
-                    heapq.heappop(heap)
-                    continue
-                if req.shape_key != key or req.batch_size > room:
-                    break
-                heapq.heappop(heap)
-                self._unqueue(req)
+            while top is not None and room > 0 and top.shape_key == key and top.batch_size <= room:
+                req = self._pop_top()
                 running.requests.append(req)
                 running.parts.append(req.inputs)
                 running.size += req.batch_size
                 room -= req.batch_size
                 grown = min(grown, req.deadline)
-            while heap and not heap[0].queued:
-                heapq.heappop(heap)
-            top = heap[0] if heap else None
+                top = self._top()
             if top is not None and (
                 top.deadline < earliest or (top.shape_key == key and top.deadline < latest)
             ):
@@ -561,10 +566,8 @@ class Batcher:
         """
         if not self.latency.known:
             return False
-        heap = self._heap
-        while not heap[0].queued:
-            heapq.heappop(heap)
-        head = heap[0]
+        head = self._top()
+        assert head is not None  # called with requests queued
         full = min(self._queued_items, self.limits.max_batch_size)
         estimate = self.latency.estimate
         if now + estimate(full) <= head.deadline:
@@ -572,8 +575,7 @@ class Batcher:
         cap = deadline_cap(now, head.deadline, self.limits, estimate)
         if 4 * cap >= full:
             return False
-        heapq.heappop(heap)
-        self._unqueue(head)
+        self._pop_top()
         self._time_out(head, now, head.deadline, (
             f"request given up after {(now - head.arrival) * 1e3:.1f} ms in the queue of "
             f"'{self.label}': {(head.deadline - now) * 1e3:.1f} ms left, enough only for a batch "
@@ -582,15 +584,12 @@ class Batcher:
         return True
 
     def _expire_queued(self, now: float) -> None:
-        heap = self._heap
-        while heap and (not heap[0].queued or heap[0].deadline <= now):
-            req = heapq.heappop(heap)
-            if req.queued:
-                self._unqueue(req)
-                self._time_out(req, now, now, (
-                    f"request timed out after {(now - req.arrival) * 1e3:.1f} ms waiting in the "
-                    f"queue of '{self.label}'"
-                ))  # fmt: skip
+        while (req := self._top()) is not None and req.deadline <= now:
+            self._pop_top()
+            self._time_out(req, now, now, (
+                f"request timed out after {(now - req.arrival) * 1e3:.1f} ms waiting in the "
+                f"queue of '{self.label}'"
+            ))  # fmt: skip
 
     def _time_out(self, req: InferenceRequest, now: float, until: float, message: str) -> None:
         """Answer ``req`` with a timeout (``message``), counted and told to the margin
@@ -603,11 +602,7 @@ class Batcher:
         """Pop up to ``take`` items of one input shape, earliest deadline first."""
         heap, picked, aside = self._heap, [], []
         items, key = 0, None
-        while heap and items < take:
-            req = heap[0]
-            if not req.queued:
-                heapq.heappop(heap)
-                continue
+        while items < take and (req := self._top()) is not None:
             if key is None:
                 key = req.shape_key
             elif req.shape_key != key:
@@ -615,9 +610,7 @@ class Batcher:
                 continue
             if picked and items + req.batch_size > take:
                 break
-            heapq.heappop(heap)
-            self._unqueue(req)
-            picked.append(req)
+            picked.append(self._pop_top())
             items += req.batch_size
         for req in aside:
             heapq.heappush(heap, req)
