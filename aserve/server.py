@@ -1,7 +1,7 @@
 """The composition root: the server's lifecycle, starting -> ready -> draining -> stopped.
 
 Layer ``server``, the top beside ``library``: it builds the registry, the
-frontends (handing them a :class:`~aserve.context.FrontendContext`), the
+frontends (handing them a :class:`~aserve.frontends.context.FrontendContext`), the
 metrics and the reloader, and runs on the loop.
 
 Startup binds the listeners first, then loads and warms every model before
@@ -34,10 +34,10 @@ import signal
 from pathlib import Path
 
 from aserve.config import ServerConfig
-from aserve.context import FrontendContext
 from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit, cuda_indices, gpu_present
 from aserve.frontends.auth import ApiKeys, load_api_keys
 from aserve.frontends.common import Admission, RequestMetrics
+from aserve.frontends.context import FrontendContext
 from aserve.frontends.grpc.server import GrpcFrontend
 from aserve.frontends.http.app import CUT_OFF_S, HttpFrontend
 from aserve.loop.registry import ModelRegistry

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
     from aserve._proto import grpc_service_pb2 as pb
     from aserve.codecs.v2 import DecodedRequest
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
     from aserve.types.generation import Delta
 
 log = logging.getLogger("aserve.frontends")

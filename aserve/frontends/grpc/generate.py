@@ -49,7 +49,7 @@ from aserve.obs.metrics import OK
 from aserve.types.generation import BadSetting, Delta, SamplingParams, sampling_settings
 
 if TYPE_CHECKING:
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
     from aserve.frontends.grpc.calls import InFlight
 
 SERVICE_NAME = "aserve.v1.Generation"

@@ -45,7 +45,7 @@ from aserve.loop.runtimes.generation import GenerationRuntime
 
 if TYPE_CHECKING:
     from aserve.codecs.v2 import DecodedRequest
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
     from aserve.frontends.grpc.calls import InFlight
     from aserve.loop.runtimes.base import Runtime as ModelRuntime
 

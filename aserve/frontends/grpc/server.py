@@ -29,7 +29,7 @@ from aserve.frontends.grpc.kserve import InferenceServicer
 from aserve.obs.fd_limit import fds_in_use, open_file_limit
 
 if TYPE_CHECKING:
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
 
 log = logging.getLogger("aserve.grpc")
 

@@ -23,7 +23,7 @@ from aserve.errors import AserveError, InvalidArgument
 from aserve.frontends.http.kit import RouteKit, error_response, json_response
 
 if TYPE_CHECKING:
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
 
 
 def add_admin_routes(kit: RouteKit, ctx: FrontendContext) -> None:

@@ -8,8 +8,8 @@ queue. Every error answers ``{"error": "..."}`` with the status from
 :data:`HTTP_STATUS`. The other route modules (generate, openai, predictions,
 admin, dashboard, metrics, openapi) are registered here and are handed what
 they need, a :class:`~aserve.frontends.http.kit.RouteKit` of this module's
-functions and the :class:`~aserve.context.FrontendContext`: they never import
-this module.
+functions and the :class:`~aserve.frontends.context.FrontendContext`: they never
+import this module.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from aserve.obs.fd_limit import fds_in_use, open_file_limit
 from aserve.obs.logs import CURRENT, REQUEST_ID_HEADER, RequestInfo
 
 if TYPE_CHECKING:
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
     from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
 log = logging.getLogger("aserve.http")

@@ -41,7 +41,7 @@ from aserve.obs.metrics import OK
 from aserve.obs.stats import LATENCY_BUCKETS_S
 
 if TYPE_CHECKING:
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
 
 PAGE_PATH = "/"
 STATS_PATH = "/v2/dashboard/stats"

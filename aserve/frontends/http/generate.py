@@ -35,7 +35,7 @@ from aserve.loop.prompt_size import body_limit
 from aserve.loop.runtimes.generation import generation_runtime
 
 if TYPE_CHECKING:
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
 
 
 # --- Triton's generate extension ------------------------------------------------

@@ -5,7 +5,7 @@ Route modules (generate, openai, predictions, admin, dashboard, metrics,
 openapi) never import the app (:mod:`aserve.frontends.http.app`): it calls
 their ``add_*_routes(kit, ctx)`` with a :class:`RouteKit` of its own
 functions, and they find the server's state in the
-:class:`~aserve.context.FrontendContext`.
+:class:`~aserve.frontends.context.FrontendContext`.
 
 An inference handler stores the runtime that serves it in
 ``request[RUNTIME_KEY]`` (what it is counted under); a streamed response that

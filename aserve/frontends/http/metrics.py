@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
 if TYPE_CHECKING:
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
     from aserve.frontends.http.kit import RouteKit
 
 

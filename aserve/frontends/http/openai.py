@@ -67,7 +67,7 @@ from aserve.types.generation import (
 )
 
 if TYPE_CHECKING:
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
     from aserve.loop.continuous import GenerationRequest
 
 _TYPES = {

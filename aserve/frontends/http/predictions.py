@@ -43,7 +43,7 @@ from aserve.loop.runtimes.handler import HandlerRuntime
 from aserve.types.text import utf8_safe
 
 if TYPE_CHECKING:
-    from aserve.context import FrontendContext
+    from aserve.frontends.context import FrontendContext
     from aserve.loop.runtimes.base import Runtime as ModelRuntime
 
 _DEFAULT_TYPE = "application/octet-stream"

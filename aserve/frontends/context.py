@@ -1,4 +1,5 @@
-"""What a frontend may see of the server (context layer, beside the frontends).
+"""What a frontend may see of the server (frontends layer: built by the server, read by
+the HTTP and gRPC frontends).
 
 :class:`FrontendContext` is built once by the server and handed to the HTTP
 and gRPC frontends instead of the whole ``Server``: the model registry
