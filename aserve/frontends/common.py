@@ -43,8 +43,8 @@ from aserve.codecs.timeouts import TIMEOUT_HEADER as TIMEOUT_HEADER
 from aserve.codecs.timeouts import header_timeout_s
 from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, ErrorCode, InternalError, QueueFull
+from aserve.frontends.status import OK
 from aserve.obs.logs import CURRENT, RequestInfo, access_record
-from aserve.obs.metrics import OK
 from aserve.obs.stats import LATENCY_BUCKETS_S, Histogram
 
 if TYPE_CHECKING:

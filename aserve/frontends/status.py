@@ -14,7 +14,10 @@ from typing import Final, NamedTuple
 import grpc
 
 from aserve.errors import ErrorCode
-from aserve.obs.metrics import OK
+
+# The ``status`` label of an answered request: "ok", or an ErrorCode value
+# ("invalid_argument", "queue_full", ..., "cancelled" when the client left).
+OK: Final = "ok"
 
 
 class WireStatus(NamedTuple):

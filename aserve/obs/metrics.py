@@ -34,9 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aserve.metrics")
 
-# The ``status`` label of an answered request: "ok", or an ErrorCode value
-# ("invalid_argument", "queue_full", ..., "cancelled" when the client left).
-OK = "ok"
 NVML_INTERVAL_S = 2.0
 
 

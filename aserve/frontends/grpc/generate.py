@@ -36,7 +36,7 @@ from aserve.frontends.common import (
     track_grpc,
 )
 from aserve.frontends.grpc.calls import end_call
-from aserve.frontends.status import GRPC_STATUS
+from aserve.frontends.status import GRPC_STATUS, OK
 from aserve.loop.prompt_size import check_prompt_size
 from aserve.loop.runtimes.generation import (
     TEXT_OUTPUT,
@@ -45,7 +45,6 @@ from aserve.loop.runtimes.generation import (
     text_input,
     text_tensor,
 )
-from aserve.obs.metrics import OK
 from aserve.types.generation import BadSetting, Delta, SamplingParams, sampling_settings
 
 if TYPE_CHECKING:

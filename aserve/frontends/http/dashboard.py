@@ -36,8 +36,8 @@ from aiohttp import web
 from aserve import __version__
 from aserve.frontends.http.dashboard_history import DashboardHistory
 from aserve.frontends.http.kit import RouteKit, json_response
+from aserve.frontends.status import OK
 from aserve.obs.handler_metrics import MetricSet
-from aserve.obs.metrics import OK
 from aserve.obs.stats import LATENCY_BUCKETS_S
 
 if TYPE_CHECKING:
