@@ -23,10 +23,10 @@ carries them out:
   can (:class:`~aserve.workers.job.Staging`: the thread pool) is handed the
   batch the policy would cut if an instance were free, and the first
   instance to free up runs it at once, without waiting for the loop's turn.
-  Until an instance takes it, each pump grows it from the queue (earliest
-  deadlines first, as a batch cut then would be) or, when a queued request
-  is more urgent than one in it that it cannot join, takes it back and cuts
-  again: it is always the batch the loop would cut at that pump.
+  Until an instance takes it, each pump makes it the batch the loop would cut
+  then: grown from the queue, or taken back and cut again. Its states and the
+  lock shared with the instances are :mod:`aserve.loop.staged_batch`'s; here
+  are the decisions and the timers.
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ from aserve.config import BatchingConfig
 from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
 from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
+from aserve.loop.staged_batch import Seen, StagedBatch
 from aserve.obs.stats import ModelStats
 from aserve.sched.latency import AdmissionMargin, ArrivalRate, Echoes, LatencyModel
 from aserve.sched.policy import BatchLimits, Echo, QueueView, deadline_cap, plan, predicted_finish
-from aserve.workers.job import BatchJob, Executor, Inline, Staged, Staging
+from aserve.workers.job import BatchJob, Executor, Inline, Staging
 
 log = logging.getLogger("aserve.batcher")
 
@@ -69,10 +70,9 @@ class _Running(BatchJob):
         self.started = started
         self.expected_end = expected_end
         self.timer: asyncio.TimerHandle | None = None
-        # While staged (see the module docstring): its record with the pool, and
-        # the shape and deadline bounds the pumps grow it under.
-        self.staged: Staged | None = None
-        self.earliest = min(r.deadline for r in requests)  # kept up as it grows or shrinks
+        # The earliest deadline in it: its deadline guard's, kept up while it is
+        # staged and grows or shrinks (aserve.loop.staged_batch).
+        self.earliest = min(r.deadline for r in requests)
 
 
 class Batcher:
@@ -114,7 +114,7 @@ class Batcher:
         self._running: set[_Running] = set()
         self._stager = pool if isinstance(pool, Staging) else None
         self._inline = pool if isinstance(pool, Inline) else None
-        self._staged: _Running | None = None  # a batch staged and not known to be running
+        self._staged: StagedBatch[_Running] | None = None  # not known to be running
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._pump_soon = False
@@ -143,7 +143,7 @@ class Batcher:
         """Requests waiting: in the queue, or in a staged batch no instance has taken
         (as far as the loop knows)."""
         staged = self._staged
-        return self._queued_requests + (0 if staged is None else len(staged.requests))
+        return self._queued_requests + (0 if staged is None else len(staged.batch.requests))
 
     @property
     def running(self) -> int:
@@ -297,8 +297,8 @@ class Batcher:
             ahead_deadline = min(ahead_deadline, start + (deadline - start) / 2)
         staged = self._staged
         if staged is not None:  # it runs before anything queued now
-            ahead_items += staged.size
-            ahead_deadline = min(ahead_deadline, staged.earliest)
+            ahead_items += staged.batch.size
+            ahead_deadline = min(ahead_deadline, staged.batch.earliest)
         finish = predicted_finish(
             start, self._queued_items + ahead_items, items, self._pool.live,
             first_free, self.limits, high, deadline, ahead_deadline,
@@ -341,23 +341,15 @@ class Batcher:
             self._stats.cancelled += 1
             self._compact()
             return
-        running = self._staged
-        if running is None or running.staged is None or req not in running.requests:
+        staged = self._staged
+        if staged is None or req not in staged.batch.requests:
             return
-        with running.staged.lock:
-            if not running.staged.open:
-                return  # running: it ends with its batch, as in any running batch
-            at = running.requests.index(req)
-            del running.requests[at], running.parts[at]
-            running.size -= req.batch_size
-            if running.requests:
-                running.earliest = min(r.deadline for r in running.requests)
-            self._stats.cancelled += 1
-            if not running.requests:  # nothing left to run
-                running.staged.retract()
-                self._staged = None
-                if running.timer is not None:
-                    running.timer.cancel()
+        seen = staged.drop(req)
+        if seen is Seen.TAKEN:
+            return  # running: it ends with its batch, as in any running batch
+        self._stats.cancelled += 1
+        if seen is Seen.TAKEN_BACK:  # it was the last one in it
+            self._unstage()
 
     def _unqueue(self, req: InferenceRequest) -> None:
         req.queued = False
@@ -465,64 +457,48 @@ class Batcher:
         size = sum(r.batch_size for r in picked)
         running = _Running(picked, size, now, start + self.latency.estimate(size), self._on_done)
         running.timer = self._loop.call_later(running.earliest - now, self._expire_running, running)
-        self._staged = running
-        running.staged = self._stager.stage(running)
+        self._staged = StagedBatch(running, self._stager.stage(running))
 
     def _restage(self, now: float) -> None:
-        """Bring the staged batch up to date: running already (an instance took it),
-        grown from the queue, or taken back to be cut again."""
-        running = self._staged
-        assert running is not None and running.staged is not None
-        staged = running.staged
-        with staged.lock:
-            if not staged.open:  # an instance runs it
-                self._staged = None
-                running.staged = None
-                self._started_staged(running, staged)
-                return
-            if not self._queued_requests:
-                return
-            top = self._top()
-            if top is None:
-                return
-            key = running.requests[0].shape_key
-            latest = max(r.deadline for r in running.requests)
-            earliest = running.earliest
+        """Bring the staged batch up to date (:meth:`StagedBatch.refresh`): running
+        already (an instance took it), grown from the queue, or taken back to be
+        cut again."""
+        staged = self._staged
+        assert staged is not None
+        running = staged.batch
+        earliest = running.earliest
+
+        def cut(top: InferenceRequest) -> int:
+            """What the policy would cut from the staged requests and the queue
+            together, for the moment the first busy instance frees up."""
             start = self._first_free_at(now)
-            # What the policy would cut from the staged requests and the queue together.
             oldest = min(self._oldest_arrival(), *(r.arrival for r in running.requests))
-            view = QueueView(running.size + self._queued_items, oldest,
-                             min(earliest, top.deadline))  # fmt: skip
-            take = plan(start, view, 1, self.limits, self.latency.estimate,
+            view = QueueView(running.size + self._queued_items, oldest, min(earliest, top.deadline))
+            return plan(start, view, 1, self.limits, self.latency.estimate,
                         self._rate.per_second(now), self._echo_at(start)).take  # fmt: skip
-            room = take - running.size
-            grown = earliest
-            while top is not None and room > 0 and top.shape_key == key and top.batch_size <= room:
-                req = self._pop_top()
-                running.requests.append(req)
-                running.parts.append(req.inputs)
-                running.size += req.batch_size
-                room -= req.batch_size
-                grown = min(grown, req.deadline)
-                top = self._top()
-            if top is not None and (
-                top.deadline < earliest or (top.shape_key == key and top.deadline < latest)
-            ):
-                # A queued request that a batch cut now would lead, or take in place of
-                # a member, and it cannot join: take the batch back, cut again.
-                staged.retract()
-                self._staged = None
-                running.staged = None
-                if running.timer is not None:
-                    running.timer.cancel()
-                self._requeue(running.requests)
-                return
-        running.expected_end = start + self.latency.estimate(running.size)
-        running.earliest = grown
-        if grown < earliest:  # its deadline guard goes off at the earliest deadline in it
+
+        seen = staged.refresh(self._top, self._pop_top, cut)
+        if seen is Seen.TAKEN:
+            self._staged = None
+            self._started_staged(running, staged.held_s)
+        elif seen is Seen.TAKEN_BACK:
+            self._unstage()
+            self._requeue(running.requests)
+        elif running.earliest < earliest:  # its guard goes off at the earliest deadline in it
             if running.timer is not None:
                 running.timer.cancel()
-            running.timer = self._loop.call_later(grown - now, self._expire_running, running)
+            running.timer = self._loop.call_later(
+                running.earliest - now, self._expire_running, running
+            )
+
+    def _unstage(self) -> None:
+        """The staged batch was taken back: no batch is staged, and its deadline
+        guard is off (its requests are the caller's to requeue or answer)."""
+        staged = self._staged
+        assert staged is not None
+        self._staged = None
+        if staged.batch.timer is not None:
+            staged.batch.timer.cancel()
 
     def _requeue(self, requests: list[InferenceRequest]) -> None:
         """Put back the requests of a staged batch taken back (those still unanswered)."""
@@ -536,9 +512,10 @@ class Batcher:
         self._fifo = deque(sorted((r for r in (*back, *self._fifo) if r.queued),
                                   key=lambda r: r.arrival))  # fmt: skip
 
-    def _started_staged(self, running: _Running, staged: Staged) -> None:
-        """An instance took the staged ``running``: it is a running batch now."""
-        started = running.started + staged.held_s
+    def _started_staged(self, running: _Running, held_s: float) -> None:
+        """An instance took the staged ``running``, ``held_s`` after it was staged:
+        it is a running batch now."""
+        started = running.started + held_s
         running.started = started
         # Expected to end one estimate after it started, not after the prediction it
         # was staged on: chained predictions drift ahead with every batch that ends
@@ -645,11 +622,10 @@ class Batcher:
     def _answer(self, running: _Running) -> None:
         """Answer the requests of a batch its executor has run, and learn from it."""
         now = self._clock()
-        if running is self._staged:  # it ran and ended before a pump saw it taken
-            assert running.staged is not None
+        staged = self._staged
+        if staged is not None and staged.batch is running:  # ended before a pump saw it taken
             self._staged = None
-            self._started_staged(running, running.staged)
-            running.staged = None
+            self._started_staged(running, staged.held_s)
         self._running.discard(running)
         if running.timer is not None:
             running.timer.cancel()
@@ -690,12 +666,14 @@ class Batcher:
         """Deadline guard for a batch still in its executor: answer the expired now."""
         now = self._clock()
         later = None
+        # (As far as the loop knows) no instance has started it yet.
+        waiting = self._staged is not None and self._staged.batch is running
         for req in running.requests:
             if req.future.done():
                 continue
             if req.deadline <= now:
                 waited = f"request timed out after {(now - req.arrival) * 1e3:.1f} ms"
-                if running is self._staged:  # (as far as the loop knows) not started yet
+                if waiting:
                     message = f"{waited} waiting in the queue of '{self.label}'"
                 else:
                     message = f"{waited}; the model '{self.label}' was still running its batch"
@@ -762,16 +740,11 @@ class Batcher:
             if req.queued:
                 self._unqueue(req)
                 _fail(req, error)
-        running = self._staged
-        if running is not None and running.staged is not None:
-            with running.staged.lock:
-                if running.staged.open:  # no instance took it: its requests were waiting
-                    running.staged.retract()
-                    self._staged = None
-                    if running.timer is not None:
-                        running.timer.cancel()
-                    for req in running.requests:
-                        _fail(req, error)
+        staged = self._staged
+        if staged is not None and staged.take_back():  # its requests were waiting
+            self._unstage()
+            for req in staged.batch.requests:
+                _fail(req, error)
         self._heap.clear()
         self._fifo.clear()
 
