@@ -40,11 +40,13 @@ from aserve.frontends.common import Admission, RequestMetrics
 from aserve.frontends.context import FrontendContext
 from aserve.frontends.grpc.server import GrpcFrontend
 from aserve.frontends.http.app import CUT_OFF_S, HttpFrontend
+from aserve.loop.loop_lag import LoopLag
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
 from aserve.loop.runtimes.factory import create_runtime
 from aserve.loop.runtimes.generation import GenerationRuntime
 from aserve.obs.fd_limit import raise_open_file_limit
+from aserve.obs.loop_stall_metrics import LoopStallCollector
 from aserve.obs.metrics import Metrics
 from aserve.obs.registration import Registration
 from aserve.workers import supervisor
@@ -85,7 +87,9 @@ class Server:
                 raise StartupError(str(exc)) from None
         self.reloader = Reloader(self, source)
         # Before the frontends, which count requests in it.
-        self.metrics = Metrics(self, RequestMetrics(config.logging.access_log))
+        self.metrics = Metrics(
+            RequestMetrics(config.logging.access_log), self.registry, self.reloader.status.counts
+        )
         self.admission = Admission(config.limits.max_concurrency, self.metrics.requests.rejected)
         frontend = FrontendContext(
             config, base_dir, self.registry, self.admission, self.metrics, self.reloader,
@@ -142,6 +146,7 @@ class Server:
         self.state = ServerState.READY
         self._was_ready = True
         self.metrics.start()
+        self.metrics.registry.register(LoopStallCollector(LoopLag.of_running_loop().stalls))
         if self.grpc is not None:
             await self.grpc.update_health()
         self.reloader.start()

@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -29,8 +29,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-if TYPE_CHECKING:
-    from aserve.server import Server
+from aserve.obs.stats import Histogram, ModelStats
 
 log = logging.getLogger("aserve.metrics")
 
@@ -112,15 +111,47 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class ServerCollector(Collector):
-    """Builds aserve's metric families from the server's state when scraped (on the loop)."""
+class RequestCounts(Protocol):
+    """What a scrape reads of the frontends' request counters
+    (:class:`aserve.frontends.common.RequestMetrics`)."""
 
-    def __init__(self, server: Server) -> None:
-        self._server = server
+    @property
+    def counts(self) -> Mapping[tuple[str, str, str, str], int]: ...
+    @property
+    def durations(self) -> Mapping[tuple[str, str], Histogram]: ...
+    @property
+    def rejected(self) -> Mapping[str, int]: ...
+
+
+class ScrapedModel(Protocol):
+    """What a scrape reads of a served model (a :class:`aserve.loop.runtimes.base.Runtime`)."""
+
+    name: str
+    version: str
+    stats: ModelStats
+
+    def statistics(self) -> dict[str, Any]: ...
+
+
+class ServerCollector(Collector):
+    """Builds aserve's metric families when scraped (on the loop), from what it is
+    handed: the request counters, the served models (the routing table, iterated
+    anew at each scrape), the reload counters by result and the NVML sampler."""
+
+    def __init__(
+        self,
+        requests: RequestCounts,
+        models: Iterable[ScrapedModel],
+        reload_counts: Mapping[str, int],
+        nvml: NvmlSampler,
+    ) -> None:
+        self._requests = requests
+        self._models = models
+        self._reload_counts = reload_counts
+        self._nvml = nvml
 
     def collect(self) -> Iterator[Metric]:
-        server = self._server
-        requests = server.metrics.requests
+        requests = self._requests
         mv = ["model", "version"]
 
         total = CounterMetricFamily(
@@ -212,7 +243,7 @@ class ServerCollector(Collector):
 
         for reason, n in sorted(requests.rejected.items()):
             rejected.add_metric(["", "", reason], n)
-        for rt in sorted(server.registry, key=lambda rt: (rt.name, int(rt.version))):
+        for rt in sorted(self._models, key=lambda rt: (rt.name, int(rt.version))):
             labels = [rt.name, rt.version]
             st = rt.stats
             doc = rt.statistics()
@@ -258,18 +289,18 @@ class ServerCollector(Collector):
             kv,
         )
 
-        yield from handler_families(server.registry)
+        yield from handler_families(self._models)
 
         reloads = CounterMetricFamily(
             "aserve_config_reloads",
             "Config reloads, by result (ok, rejected, unchanged).",
             labels=["result"],
         )
-        for result, n in sorted(server.reloader.status.counts.items()):
+        for result, n in sorted(self._reload_counts.items()):
             reloads.add_metric([result], n)
         yield reloads
 
-        samples = server.metrics.nvml.samples
+        samples = self._nvml.samples
         if samples:
             gpu = ["gpu", "gpu_uuid"]
             util = GaugeMetricFamily(
@@ -343,13 +374,19 @@ def _histogram(name: str, doc: str) -> HistogramMetricFamily:
 
 
 class Metrics:
-    """The server's metrics: request counters, the NVML sampler, the registry /metrics shows."""
+    """The server's metrics: request counters, the NVML sampler, the registry /metrics shows.
 
-    def __init__(self, server: Server, requests: Any) -> None:
+    ``models`` is the routing table (iterated at each scrape), ``reload_counts``
+    the reloader's counters by result (a dict it updates in place).
+    """
+
+    def __init__(
+        self, requests: Any, models: Iterable[ScrapedModel], reload_counts: Mapping[str, int]
+    ) -> None:
         self.requests = requests  # the frontends' RequestMetrics (frontends.common)
         self.nvml = NvmlSampler()
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ServerCollector(server))
+        self.registry.register(ServerCollector(requests, models, reload_counts, self.nvml))
         from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, memory, fds
