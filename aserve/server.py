@@ -48,7 +48,7 @@ from aserve.loop.runtimes.generation import GenerationRuntime
 from aserve.obs.fd_limit import raise_open_file_limit
 from aserve.obs.loop_stall_metrics import LoopStallCollector
 from aserve.obs.metrics import Metrics
-from aserve.obs.registration import Registration
+from aserve.obs.registration import Listing, Registration
 from aserve.workers import supervisor
 from aserve.workers.last_resort import StopDeadline
 from aserve.workers.signals import SignalWatch
@@ -102,7 +102,7 @@ class Server:
         self._listening = False  # both frontends' sockets are bound
         self._was_ready = False
         self._signalled = False
-        self.registration = Registration(self)  # this server's entry for `aserve ps`
+        self.registration = Registration(self._listing)  # this server's entry for `aserve ps`
         self.stop_deadline = StopDeadline(self.registration.remove_threadsafe)
 
     def not_ready_reason(self) -> str | None:
@@ -111,6 +111,17 @@ class Server:
             return f"server is {self.state.value}"
         down = [rt.label for rt in self.registry if not rt.ready]
         return f"model(s) not ready: {', '.join(down)}" if down else None
+
+    def _listing(self) -> Listing:
+        """What this server's `aserve ps` entry says of it now (on the loop)."""
+        return Listing(
+            state=self.state.value,
+            config_file=self.reloader.status.config_file,
+            tls=self.config.tls is not None,
+            http=self.http.addresses,
+            grpc=self.grpc.addresses if self.grpc is not None else [],
+            models=self.reloader.index(),
+        )
 
     async def start(self) -> None:
         """Open the listeners, then load and warm every model; ready after that."""

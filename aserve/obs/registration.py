@@ -12,7 +12,9 @@ fallback; after SIGKILL it stays, and readers clean it (see
 Why a file rather than ``ps`` asking each server over HTTP: it needs no API
 key or TLS client setup for servers that require them, answers at once for
 a server whose loop is busy, and names servers that are still binding or
-loading. The snapshot is built on the loop; files are written on a thread.
+loading. The server describes itself in a :class:`Listing` (plain data, built
+by ``server.py`` on the loop); this module adds the process's own fields and
+writes the entry on a thread.
 """
 
 from __future__ import annotations
@@ -26,23 +28,34 @@ import shlex
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aserve import __version__
 from aserve.obs import runtime_dir
-
-if TYPE_CHECKING:
-    from aserve.server import Server
 
 log = logging.getLogger("aserve.server")
 
 POLL_S = 0.5
 
 
+@dataclass(frozen=True)
+class Listing:
+    """What the server says of itself in its entry, now."""
+
+    state: str  # the lifecycle state: "starting", "ready", "draining", "stopped"
+    config_file: str | None  # None: the config came from no file
+    tls: bool  # the HTTP listeners speak https
+    http: Sequence[tuple[str, int]]  # bound (host, port) addresses
+    grpc: Sequence[tuple[str, int]]
+    models: Sequence[dict[str, str]]  # the repository index: name, version, state, reason
+
+
 class Registration:
-    def __init__(self, server: Server, folder: Path | None = None) -> None:
-        self._server = server
+    def __init__(self, listing: Callable[[], Listing], folder: Path | None = None) -> None:
+        self._listing = listing  # called on the loop, a few times a second
         self._folder = folder or runtime_dir.runtime_dir()
         self._pid = os.getpid()
         self._started_at = time.time()
@@ -57,27 +70,26 @@ class Registration:
         self._published = False
 
     def snapshot(self) -> dict[str, Any]:
-        """What the entry says now (on the loop: reads the registry)."""
-        srv = self._server
-        starting = srv.state.value == "starting"
+        """What the entry says now (on the loop: the listing reads the registry)."""
+        listing = self._listing()
+        starting = listing.state == "starting"
         models = []
-        for m in srv.reloader.index():
+        for m in listing.models:
             state = m["state"]
             if starting and state == "UNAVAILABLE" and m["reason"] == "not loaded":
                 state = "LOADING"
             models.append({"name": m["name"], "version": m["version"], "state": state})
-        scheme = "https" if srv.config.tls is not None else "http"
-        grpc = srv.grpc.addresses if srv.grpc is not None else []
+        scheme = "https" if listing.tls else "http"
         return {
             "pid": self._pid,
             "proc_start": self._proc_start,
             "started_at": self._started_at,
             "version": __version__,
             "command": shlex.join(["aserve", *sys.argv[1:]]),
-            "config": srv.reloader.status.config_file,
-            "http": [f"{scheme}://{_host(h)}:{p}" for h, p in srv.http.addresses],
-            "grpc": [f"{_host(h)}:{p}" for h, p in grpc],
-            "state": srv.state.value,
+            "config": listing.config_file,
+            "http": [f"{scheme}://{_host(h)}:{p}" for h, p in listing.http],
+            "grpc": [f"{_host(h)}:{p}" for h, p in listing.grpc],
+            "state": listing.state,
             "models": models,
         }
 
