@@ -18,6 +18,12 @@ fraction of a second, while a lasting lag is counted within a few ticks. One sam
 event loop, shared by every model on it; ticking costs about as much as
 answering one health probe every ``interval``.
 
+Each tick also closes a window of :attr:`LoopLag.stalls`
+(:mod:`aserve.obs.loop_stalls`): of the same lateness, the part that work
+of this process explains, as opposed to a machine that gave the loop no
+CPU. Admission wants the wall time above (what clients wait, whatever the
+cause); the server exports the other, and the tests assert on it.
+
 Layer: ``loop``; runs on the event loop (its tick is a loop timer).
 """
 
@@ -27,13 +33,15 @@ import asyncio
 import time
 import weakref
 
+from aserve.obs.loop_stalls import LoopStalls
+
 _SAMPLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopLag] = (
     weakref.WeakKeyDictionary()
 )
 
 
 class LoopLag:
-    __slots__ = ("_due", "_fall", "_interval", "_loop", "_rise", "recent")
+    __slots__ = ("_due", "_fall", "_interval", "_loop", "_rise", "recent", "stalls")
 
     def __init__(self, interval: float = 0.02, rise: float = 0.3, fall: float = 0.1) -> None:
         self._interval = interval
@@ -42,6 +50,7 @@ class LoopLag:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._due = 0.0
         self.recent = 0.0  # seconds
+        self.stalls = LoopStalls()  # windows from one tick to the next, once started
 
     def observe(self, lag: float) -> None:
         """One tick ran ``lag`` seconds late."""
@@ -51,6 +60,7 @@ class LoopLag:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._due = time.monotonic() + self._interval
+        self.stalls.start(self._due)
         loop.call_later(self._interval, self._tick)
 
     def _tick(self) -> None:
@@ -58,6 +68,7 @@ class LoopLag:
         self.observe(max(now - self._due, 0.0))
         if self._loop is not None and not self._loop.is_closed():
             self._due = now + self._interval
+            self.stalls.close_window(self._due)
             self._loop.call_later(self._interval, self._tick)
 
     @classmethod
