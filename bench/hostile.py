@@ -3,9 +3,11 @@
 The hostile cases live in the test suite (every test that wraps its attack in
 ``tests/stall_watch.py``'s ``watch_loop``); this runs those tests with
 ``ASERVE_STALL_REPORT`` set, so that each watched case records its slowest
-liveness probe, and writes ``bench/RESULTS-hostile.md``. The tests assert only
-the loose bound (max(1 s, 20x the quiet p99)); the 100 ms figure a healthy
-server should keep is reported here, case by case, beside the quiet p99.
+liveness probe and the longest the server saw its loop held by work, and writes
+``bench/RESULTS-hostile.md``. The tests assert only that no window of the
+server's own stall measure (``aserve_loop_stall_seconds``, CPU time) was held
+past 1 s; the 100 ms probe latency a healthy server should keep is reported
+here, case by case, beside the quiet p99.
 
     python -m bench.hostile            # from the repository root
 """
@@ -61,9 +63,11 @@ def render(cases: list[dict[str, Any]], rc: int, facts: dict[str, Any], notes: s
         "",
         "Each row is one test that attacks a real server on loopback while `/v2/health/live`",
         "is polled one request after another on a connection of its own. *Worst* is the",
-        "slowest probe while the attack ran; *quiet p99* the same probe's p99 just before.",
-        f"Target: worst <= {TARGET_MS:.0f} ms. The tests themselves assert only the loose bound",
-        "(max(1 s, 20x quiet p99)), which a busy machine must not trip.",
+        "slowest probe while the attack ran; *quiet p99* the same probe's p99 just before;",
+        "*held* the longest the server's own measure saw its loop held by work",
+        "(`aserve_loop_stall_seconds`: CPU time, up to a bucket's bound).",
+        f"Target: worst <= {TARGET_MS:.0f} ms. The tests themselves assert only that no window",
+        "was held past 1 s, which a busy machine cannot trip: waiting for a CPU is no work.",
         "",
         *([notes, ""] if notes else []),
         "## The loop's worst stall per case",
@@ -71,14 +75,15 @@ def render(cases: list[dict[str, Any]], rc: int, facts: dict[str, Any], notes: s
         f"{len(cases)} cases; {len(over)} over {TARGET_MS:.0f} ms. Load average while it ran: "
         f"{facts['load_average']} (other work on the machine inflates both columns).",
         "",
-        "| case | worst | quiet p99 | probes |",
-        "|---|---:|---:|---:|",
+        "| case | worst | quiet p99 | held | probes |",
+        "|---|---:|---:|---:|---:|",
     ]
     for c in cases:
         flag = " **over**" if c["worst_ms"] > TARGET_MS else ""
+        held = c.get("held_ms")  # absent from reports of before the stall measure
         out.append(
             f"| `{c['case']}` | {c['worst_ms']:.1f} ms{flag} | {c['quiet_p99_ms']:.2f} ms "
-            f"| {c['probes']} |"
+            f"| {'-' if held is None else f'<= {held:g} ms'} | {c['probes']} |"
         )
     return "\n".join(out) + "\n"
 
