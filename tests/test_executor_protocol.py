@@ -13,7 +13,15 @@ from aserve.config import ModelConfig
 from aserve.engines.base import Engine
 from aserve.library.pools import DevicePools
 from aserve.workers.batch_process import ProcessPool, WorkerSpec
-from aserve.workers.job import Executor
+from aserve.workers.job import (
+    ChildProcesses,
+    EngineHandle,
+    Executor,
+    Inline,
+    RunAhead,
+    SequenceCheck,
+    Staging,
+)
 from aserve.workers.step_executor import StepExecutor
 from aserve.workers.step_process import ProcessStepExecutor, WorkerArgs
 from aserve.workers.thread_pool import ExecutorPool
@@ -77,3 +85,22 @@ def test_the_protocol_refuses_what_lacks_the_health_figure() -> None:
         async def stop(self, timeout: float = 10.0) -> None: ...
 
     assert not isinstance(NoHealth(), Executor)
+
+
+def test_each_capability_is_declared_by_the_executors_that_have_it(tmp_path: Path) -> None:
+    threads, processes, devices, step_thread, step_process = _executors(tmp_path)
+    has = {
+        Staging: [threads],
+        Inline: [threads],
+        RunAhead: [step_process],
+        SequenceCheck: [step_process],
+        ChildProcesses: [processes, devices, step_process],
+        EngineHandle: [threads, processes, devices, step_thread],
+    }
+    for capability, executors in has.items():
+        for executor in (threads, processes, devices, step_thread, step_process):
+            found = isinstance(executor, capability)
+            assert found == any(executor is e for e in executors), (
+                f"{type(executor).__name__} {'has' if found else 'lacks'} {capability.__name__}"
+            )
+    assert step_process.pids == [] and processes.pids == [] and devices.pids == []

@@ -30,6 +30,7 @@ from aserve.loop.batcher import Batcher
 from aserve.loop.request import InferenceRequest
 from aserve.obs.stats import ModelStats
 from aserve.workers.batch_process import ProcessPool, WorkerSpec
+from aserve.workers.job import ChildProcesses, EnginePool
 from aserve.workers.thread_pool import ExecutorPool
 
 WORKER_HANDLER = "aserve.library.runner:WorkerHandler"
@@ -72,7 +73,7 @@ class Core:
         self.workers = workers
         self.devices = list(devices)
         self.stats = ModelStats(label, "1")
-        self.pool: ExecutorPool | ProcessPool | DevicePools | None = None
+        self.pool: EnginePool | None = None
         self.batcher: Batcher | None = None
 
     async def start(self) -> None:
@@ -81,7 +82,7 @@ class Core:
             config = _config(self.label, self.batching, self.devices[0], 1, {})
             engine = FunctionEngine(config, self.target, self.label, self.stack, self.devices[0])
             await asyncio.to_thread(engine.load)
-            pool: ExecutorPool | ProcessPool | DevicePools = ExecutorPool(engine, 1, self.label)
+            pool: EnginePool = ExecutorPool(engine, 1, self.label)
         else:
             params = {"target": self.target, "label": self.label, "stack": self.stack}
             pools = []
@@ -125,7 +126,7 @@ class Core:
             size: s.compute_infer.count for size, s in sorted(self.stats.batch_sizes.items())
         }
         doc["restarts"] = pool.restarts if pool is not None else 0
-        doc["worker_pids"] = list(getattr(pool, "pids", []))
+        doc["worker_pids"] = list(pool.pids) if isinstance(pool, ChildProcesses) else []
         doc["live"] = pool.live if pool is not None else 0
         return doc
 

@@ -3,8 +3,9 @@
 A :class:`aserve.workers.batch_process.ProcessPool` runs its children on one
 device. ``Batched(..., workers=N, devices=[...])`` spreads its workers over
 several, so it runs one pool per device and this class puts them behind the
-pool interface the batcher knows (``live``, ``on_live``, ``submit``,
-``start``, ``stop``): each batch goes to the pool with the most free workers.
+pool interface the batcher knows (an :class:`~aserve.workers.job.EnginePool`,
+whose children are :class:`~aserve.workers.job.ChildProcesses` too): each
+batch goes to the pool with the most free workers.
 """
 
 from __future__ import annotations

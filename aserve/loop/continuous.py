@@ -11,14 +11,15 @@ sequences have left, waiting ones are admitted as slots and the prefill
 budget allow, paused ones (their reader is behind) sit out. The loop never
 waits for the thread; while a step runs, arrivals just queue.
 
-Run-ahead: a step process (``run_ahead`` > 0) goes on decoding the
-sequences of its last answered step on its own, and hands each such step
-back unasked (a job of its own, its ``stepped`` the sequences). The batcher
-takes their outputs as any step's, and submits a step only when the plan
-differs from what the executor already decodes (``_coast``): an admission,
-a slot to free, a paused or resumed reader. Outputs for a request that is
-done (cancelled, expired) are dropped, as those of a step in flight always
-were; the executor drops those of sequences it was told to free.
+Run-ahead: a step process (a :class:`~aserve.workers.job.RunAhead`, with
+``run_ahead`` > 0) goes on decoding the sequences of its last answered step
+on its own, and hands each such step back unasked (a job of its own, its
+``stepped`` the sequences). The batcher takes their outputs as any step's,
+and submits a step only when the plan differs from what the executor
+already decodes (``_coast``): an admission, a slot to free, a paused or
+resumed reader. Outputs for a request that is done (cancelled, expired) are
+dropped, as those of a step in flight always were; the executor drops those
+of sequences it was told to free.
 
 Slots: the loop counts the KV-cache slots it has handed out. A sequence
 that finishes frees its slot inside the step; one that is cancelled or
@@ -52,7 +53,7 @@ from aserve.obs.logs import CURRENT
 from aserve.obs.stats import ModelStats
 from aserve.sched.step_policy import RunningView, StepLimits, WaitingView, plan_step
 from aserve.types.generation import Delta, StepOutput
-from aserve.workers.job import Executor, StepJob
+from aserve.workers.job import Executor, RunAhead, StepJob
 
 if TYPE_CHECKING:
     from aserve.engines.decoder import Sequence
@@ -202,8 +203,8 @@ class ContinuousBatcher:
         # its own (run-ahead) and answers those steps unasked: the batcher then
         # submits a step only when that set changes. ``_coast`` holds the ids of
         # the requests it decodes so (None: it waits for a step); executors
-        # without ``run_ahead`` never step unasked.
-        self._run_ahead = getattr(executor, "run_ahead", 0) > 0
+        # that are no RunAhead never step unasked.
+        self._run_ahead = isinstance(executor, RunAhead) and executor.run_ahead > 0
         self._coast: set[int] | None = None
         # The request of each sequence an executor may still answer for.
         self._by_seq: dict[Any, GenerationRequest] = {}

@@ -11,7 +11,12 @@ model (:class:`~aserve.workers.thread_pool.ExecutorPool`), its worker
 processes (:class:`~aserve.workers.batch_process.ProcessPool`), and a decoder
 model's step thread or step process
 (:class:`~aserve.workers.step_executor.StepExecutor`,
-:class:`~aserve.workers.step_process.ProcessStepExecutor`).
+:class:`~aserve.workers.step_process.ProcessStepExecutor`). What only some of
+them can do is a capability of its own, declared here and tested once with
+``isinstance`` by whoever relies on it: :class:`Staging`, :class:`Inline`
+(the thread pool), :class:`RunAhead` and :class:`SequenceCheck` (the step
+process), :class:`ChildProcesses` (the executors of child processes) and
+:class:`EngineHandle` (those handed the engine they run).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
+    from aserve.engines.base import Engine
     from aserve.engines.decoder import Sequence as DecoderSequence
     from aserve.types.generation import StepOutput
 
@@ -93,6 +99,56 @@ class Inline(Protocol):
     def runs_inline(self, size: int) -> bool: ...
 
     def run_inline(self, job: BatchJob) -> None: ...
+
+
+@runtime_checkable
+class RunAhead(Protocol):
+    """A step executor that goes on decoding its last step's sequences unasked.
+
+    Once a step is answered it steps the same set again, up to ``run_ahead``
+    steps past the last answer read, and answers each such step as a job of
+    its own through the last submitted job's ``on_done`` (see
+    :class:`StepJob`'s ``stepped``). The continuous batcher then submits a
+    step only when the set changes. ``run_ahead`` 0 is an executor that waits
+    for every step, as one that is not a :class:`RunAhead`.
+    """
+
+    run_ahead: int
+
+
+@runtime_checkable
+class SequenceCheck(Protocol):
+    """A step executor that cannot take every sequence (one that must cross a pipe).
+
+    ``check(seq)`` is called on the loop before the sequence is queued and
+    raises :class:`~aserve.errors.InvalidArgument` for one it could not run:
+    found at ``submit`` instead, it would fail the whole step.
+    """
+
+    def check(self, seq: DecoderSequence) -> None: ...
+
+
+@runtime_checkable
+class ChildProcesses(Protocol):
+    """An executor whose instances are child processes; ``pids``: those up now."""
+
+    @property
+    def pids(self) -> list[int]: ...
+
+
+@runtime_checkable
+class EngineHandle(Protocol):
+    """An executor handed the engine it runs (for worker processes, the server's
+    front of it, loaded with ``load_front``, never run). It never unloads it:
+    its owner does, after :meth:`Executor.stop`."""
+
+    @property
+    def engine(self) -> Engine: ...
+
+
+class EnginePool(Executor["BatchJob"], EngineHandle, Protocol):
+    """What a batched model's owner holds: an executor of batch jobs with its engine
+    (the instance threads, the worker processes, or several pools of them)."""
 
 
 class Staged:

@@ -26,7 +26,7 @@ from aserve.workers.job import StepJob
 from aserve.workers.offload import leave_behind
 
 if TYPE_CHECKING:
-    from aserve.engines.decoder import DecoderEngine, Sequence
+    from aserve.engines.decoder import DecoderEngine
 
 log = logging.getLogger("aserve.executor")
 
@@ -35,7 +35,14 @@ _STOP = object()
 
 
 class StepExecutor:
-    """A thread that runs one :class:`DecoderEngine`'s steps in submission order."""
+    """A thread that runs one :class:`DecoderEngine`'s steps in submission order.
+
+    An :class:`~aserve.workers.job.Executor` and an
+    :class:`~aserve.workers.job.EngineHandle`. It takes any sequence (no
+    :class:`~aserve.workers.job.SequenceCheck`) and never runs a step unasked
+    (no :class:`~aserve.workers.job.RunAhead`): handing a step back costs a
+    thread switch, not a pipe's round trip.
+    """
 
     def __init__(self, engine: DecoderEngine, name: str) -> None:
         self.engine = engine
@@ -44,9 +51,6 @@ class StepExecutor:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.restarts = 0  # a step thread is never replaced
-        # Never runs a step unasked: handing a step back costs a thread switch,
-        # not a pipe's round trip (see ProcessStepExecutor.run_ahead).
-        self.run_ahead = 0
         self.on_live: Callable[[], Any] | None = None  # never called: ``live`` stays 1
 
     async def start(self) -> None:
@@ -67,9 +71,6 @@ class StepExecutor:
     def live(self) -> int:
         """1: steps can be submitted (the thread's queue always takes them)."""
         return 1
-
-    def check(self, seq: Sequence) -> None:
-        """Whether ``seq`` can be stepped (a thread takes any sequence)."""
 
     def submit(self, job: StepJob) -> None:
         """Queue a step (loop side, never blocks)."""

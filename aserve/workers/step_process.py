@@ -65,6 +65,11 @@ class StepProcessError(RuntimeError):
 class ProcessStepExecutor:
     """Runs one decoder engine's steps in a child process, in submission order.
 
+    An :class:`~aserve.workers.job.Executor` that also runs ahead
+    (:class:`~aserve.workers.job.RunAhead`), checks each sequence before it is
+    queued (:class:`~aserve.workers.job.SequenceCheck`: it must cross the
+    pipe) and names its child (:class:`~aserve.workers.job.ChildProcesses`).
+
     Run-ahead (``generation.step_run_ahead`` steps, :attr:`run_ahead`): once a
     job is answered, the child goes on decoding that job's sequences (less
     those that finished) without a new one, and each such step comes back as
@@ -112,9 +117,10 @@ class ProcessStepExecutor:
         return self._sup.restarts
 
     @property
-    def pid(self) -> int | None:
-        """The child's process id while one is up."""
-        return self._sup.pid
+    def pids(self) -> list[int]:
+        """The child's process id while one is up (a :class:`ChildProcesses`)."""
+        pid = self._sup.pid
+        return [] if pid is None else [pid]
 
     async def start(self) -> None:
         """Start the child; returns once it has loaded the model (or raises why not)."""

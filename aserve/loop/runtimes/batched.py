@@ -34,7 +34,7 @@ from aserve.loop.runtimes.base import (
 from aserve.obs.logs import CURRENT
 from aserve.types.tensors import numpy_dtype
 from aserve.workers.batch_process import ProcessPool, worker_spec
-from aserve.workers.job import BatchJob
+from aserve.workers.job import BatchJob, ChildProcesses, EnginePool
 from aserve.workers.offload import run_off_loop
 from aserve.workers.thread_pool import ExecutorPool
 
@@ -74,7 +74,7 @@ class ModelRuntime(Runtime):
         self.max_batch_size = config.batching.max_batch_size
         self._serve_specs_of(config)
         self._make_engine = engine
-        self._pool: ExecutorPool | ProcessPool | None = None
+        self._pool: EnginePool | None = None
         self.batcher: Batcher | None = None
 
     def not_ready_reason(self) -> str | None:
@@ -96,7 +96,7 @@ class ModelRuntime(Runtime):
     def worker_pids(self) -> list[int]:
         """The model's worker processes (none when its instances are threads)."""
         pool = self._pool
-        return pool.pids if isinstance(pool, ProcessPool) else []
+        return pool.pids if isinstance(pool, ChildProcesses) else []
 
     def model_path(self) -> Path | None:
         """Where the weights are; builds builtin models. Blocking: call off the loop."""

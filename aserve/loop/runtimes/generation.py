@@ -45,6 +45,7 @@ from aserve.loop.runtimes.base import (
     string_parameters,
 )
 from aserve.types.generation import SamplingParams
+from aserve.workers.job import ChildProcesses, Executor, SequenceCheck, StepJob
 from aserve.workers.offload import run_off_loop
 from aserve.workers.step_executor import StepExecutor
 from aserve.workers.step_process import ProcessStepExecutor, WorkerArgs
@@ -82,7 +83,9 @@ class GenerationRuntime(Runtime):
         self.max_batch_size = 1
         self.variable_shapes = False
         self._engine: DecoderEngine | None = None
-        self._executor: StepExecutor | ProcessStepExecutor | None = None
+        self._executor: Executor[StepJob] | None = None
+        # The executor's check of a sequence before it is queued (a SequenceCheck's).
+        self._check: Callable[[EngineSequence], None] | None = None
         self.batcher: ContinuousBatcher | None = None
         self._preparing = 0  # requests tokenizing in a worker thread
         # Chats render on a thread of the model's own: a template that runs to
@@ -131,7 +134,7 @@ class GenerationRuntime(Runtime):
         self._template_thread = ThreadPoolExecutor(1, f"chat-template-{self.label}")
 
         engine = DecoderEngine(path, c.generation, c.device, c.dtype, c.cpu_threads)
-        executor: StepExecutor | ProcessStepExecutor
+        executor: Executor[StepJob]
         if c.generation.step_process:
             # The weights live in the child; this process keeps the tokenizer.
             self.load_step = "loading the tokenizer"
@@ -148,6 +151,7 @@ class GenerationRuntime(Runtime):
         self._engine = engine
         self.load_step = f"starting the step {'process' if c.generation.step_process else 'thread'}"
         self._executor = executor  # before it starts: a load given up meanwhile stops it
+        self._check = executor.check if isinstance(executor, SequenceCheck) else None
         await executor.start()
         self.batcher = ContinuousBatcher(self.label, c.generation, executor, self.stats)
         self.state = ModelState.READY
@@ -158,16 +162,10 @@ class GenerationRuntime(Runtime):
         )  # fmt: skip
 
     @property
-    def step_pid(self) -> int | None:
-        """The step process's id (None when the steps run on a thread)."""
-        executor = self._executor
-        return executor.pid if isinstance(executor, ProcessStepExecutor) else None
-
-    @property
     def worker_pids(self) -> list[int]:
         """The model's child processes: its step process, when it is up."""
-        pid = self.step_pid
-        return [] if pid is None else [pid]
+        executor = self._executor
+        return executor.pids if isinstance(executor, ChildProcesses) else []
 
     def _on_sequences_lost(self, error: BaseException) -> None:
         if self.batcher is not None:
@@ -270,8 +268,8 @@ class GenerationRuntime(Runtime):
         if self.state is not ModelState.READY or self.batcher is None:
             raise Unavailable(not_ready(self.label, self.state.value))
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
-        if self._executor is not None:
-            self._executor.check(sequence)
+        if self._check is not None:
+            self._check(sequence)
         return self.batcher.submit(sequence, len(sequence.prompt_ids), timeout, client_id)
 
     async def infer(
