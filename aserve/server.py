@@ -33,7 +33,7 @@ import os
 import signal
 from pathlib import Path
 
-from aserve.config import ServerConfig
+from aserve.config import ModelConfig, ServerConfig
 from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit, cuda_indices, gpu_present
 from aserve.frontends.auth import ApiKeys, load_api_keys
 from aserve.frontends.common import Admission, RequestMetrics
@@ -85,7 +85,9 @@ class Server:
                 self.api_keys = load_api_keys(config.auth, base_dir)
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
-        self.reloader = Reloader(self, source)
+        self.reloader = Reloader(
+            self.registry, base_dir, config, source, self._state_value, self._models_swapped
+        )
         # Before the frontends, which count requests in it.
         self.metrics = Metrics(
             RequestMetrics(config.logging.access_log), self.registry, self.reloader.status.counts
@@ -104,6 +106,16 @@ class Server:
         self._signalled = False
         self.registration = Registration(self._listing)  # this server's entry for `aserve ps`
         self.stop_deadline = StopDeadline(self.registration.remove_threadsafe)
+
+    def _state_value(self) -> str:
+        return self.state.value
+
+    async def _models_swapped(self, served: list[ModelConfig]) -> None:
+        """The reloader's hook, right after it swapped the routing table: the config
+        names the models now served (before any await), then gRPC health follows."""
+        self.config = self.config.model_copy(update={"models": served})
+        if self.grpc is not None:
+            await self.grpc.update_health()
 
     def not_ready_reason(self) -> str | None:
         """Why the server is not ready, or None when it is."""

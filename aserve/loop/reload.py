@@ -20,6 +20,11 @@ in :class:`ReloadStatus` for ``GET /v2/config/status``.
 Sections that only a restart can apply (listeners, limits, drain timeout, gpu)
 are compared with what the server started with and reported, not applied.
 
+The reloader is handed what it works on, not the server: the routing table,
+the base directory, the config the server started with and where it came
+from, a way to read the server's state, and an ``on_swapped`` hook the server
+fills (its config's models, gRPC health) that runs right after each swap.
+
 Each new runtime's load and warm-up is bounded by its ``load_timeout_s``; a
 load past it fails the change like any other failed load. So is checking a
 config or a repository load's model (handler modules imported), by the longest
@@ -38,10 +43,10 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import orjson
 
@@ -50,12 +55,10 @@ from aserve.engines.checks import check_model_files
 from aserve.errors import InternalError, NotFound, Unavailable
 from aserve.loop.archive_sweep import ArchiveSweeper
 from aserve.loop.changes import ChangeGivenUp, ChangeSlot
+from aserve.loop.registry import ModelRegistry
 from aserve.loop.runtimes.base import Runtime
 from aserve.loop.runtimes.factory import create_runtime
 from aserve.workers.offload import run_off_loop
-
-if TYPE_CHECKING:
-    from aserve.server import Server
 
 log = logging.getLogger("aserve.reload")
 
@@ -157,12 +160,33 @@ class ReloadStatus:
 
 
 class Reloader:
-    """Owns config changes of one server: the watcher, reloads, the repository API."""
+    """Owns config changes of one server: the watcher, reloads, the repository API.
 
-    def __init__(self, server: Server, source: ConfigSource | None) -> None:
-        self._server = server
+    ``registry`` is the routing table it swaps; ``config`` the config the server
+    started with (its ``gpu`` and ``drain_timeout_s``, which only a restart
+    changes, are the ones this reloader uses); ``state`` gives the server's
+    lifecycle state ("ready" while it serves). ``on_swapped(models)`` is awaited
+    right after each swap with the models now served; whatever it does before
+    its first ``await`` happens with no request seeing the new routing first.
+    """
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        base_dir: Path,
+        config: ServerConfig,
+        source: ConfigSource | None,
+        state: Callable[[], str],
+        on_swapped: Callable[[list[ModelConfig]], Awaitable[None]],
+    ) -> None:
+        self._registry = registry
+        self._base_dir = base_dir
+        self._gpu = config.gpu
+        self._drain_timeout_s = config.drain_timeout_s
+        self._state = state
+        self._on_swapped = on_swapped
         self._source = source
-        self._started_with = source.file_config if source is not None else server.config
+        self._started_with = source.file_config if source is not None else config
         self._file_config = self._started_with  # the file config now in force
         digest = digest_of(source.raw) if source is not None else None
         self._applied_digest = digest
@@ -193,7 +217,7 @@ class Reloader:
     def on_sighup(self) -> None:
         """Signal handler: re-read the config file now, even if it looks unchanged."""
         if not self._serving():
-            log.warning("SIGHUP received while the server is %s: ignored", self._server.state.value)
+            log.warning("SIGHUP received while the server is %s: ignored", self._state())
             return
         log.info("SIGHUP received: checking the config file")
         self._spawn(self.check("SIGHUP", force=True), "aserve-config-sighup")
@@ -336,7 +360,7 @@ class Reloader:
             return None
         assert self._source is not None
         data = orjson.loads(self._applied_raw)  # parsed before: valid JSON
-        again = parse_config(data, source=str(self._source.path), base_dir=self._server.base_dir)
+        again = parse_config(data, source=str(self._source.path), base_dir=self._base_dir)
         fresh = {m.key: m for m in again.models}
         return config.model_copy(update={
             "models": [fresh.get(m.key, m) if m.name == name else m for m in config.models],
@@ -349,7 +373,7 @@ class Reloader:
         """Where the models this server may still run live: the config in force
         (unloaded models too: a repository load uses their folder), the routed
         runtimes, the ones draining."""
-        runtimes = [*self._server.registry, *self._draining]
+        runtimes = [*self._registry, *self._draining]
         return [m.root for m in self._file_config.models] + [rt.config.root for rt in runtimes]
 
     def _parse(self, raw: bytes) -> ServerConfig:
@@ -360,11 +384,11 @@ class Reloader:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise ConfigError(f"{path}: invalid JSON: {exc}") from None
-        return parse_config(data, source=str(path), base_dir=self._server.base_dir)
+        return parse_config(data, source=str(path), base_dir=self._base_dir)
 
     def _check(self, config: ServerConfig) -> None:
         """Check files and import handlers. Blocking (user code): runs in a thread."""
-        check_model_files(config, self._server.base_dir)
+        check_model_files(config, self._base_dir)
 
     def _reject(self, trigger: str, message: str) -> None:
         log.error(
@@ -382,7 +406,7 @@ class Reloader:
 
     def index(self, ready_only: bool = False) -> list[dict[str, str]]:
         """Every model version of the config in force, with its state (Triton's index)."""
-        served = {(rt.name, rt.version): rt for rt in self._server.registry}
+        served = {(rt.name, rt.version): rt for rt in self._registry}
         out = []
         for m in sorted(self._file_config.models, key=lambda m: (m.name, int(m.version))):
             rt = served.get(m.key)
@@ -448,11 +472,11 @@ class Reloader:
         log.info("repository unload '%s': %s", name, _describe(changes))
 
     def _serving(self) -> bool:
-        return self._server.state.value == "ready"
+        return self._state() == "ready"
 
     def _known(self, name: str) -> None:
         if not self._serving():
-            raise Unavailable(f"the server is {self._server.state.value}")
+            raise Unavailable(f"the server is {self._state()}")
         if not any(m.name == name for m in self._file_config.models):
             where = self.status.config_file or "the config"
             raise NotFound(f"model '{name}' is not in {where}; add it there to serve it")
@@ -470,10 +494,10 @@ class Reloader:
 
         Models named in ``reload_names`` get a new runtime even if unchanged.
         """
-        server = self._server
+        registry = self._registry
         want = {m.key: m for m in file_config.models if m.name not in unloaded}
         where = {m.key: f"models[{i}]" for i, m in enumerate(file_config.models)}
-        current = {(rt.name, rt.version): rt for rt in server.registry}
+        current = {(rt.name, rt.version): rt for rt in registry}
         changes = Changes()
         fresh: list[tuple[ModelConfig, Runtime]] = []
         in_place: list[tuple[Runtime, ModelConfig]] = []
@@ -488,24 +512,20 @@ class Reloader:
                 changes.reconfigured.append(rt_label(new))
                 continue
             (changes.added if how == "add" else changes.replaced).append(rt_label(new))
-            fresh.append(
-                (new, create_runtime(new, server.base_dir, server.registry, server.config.gpu))
-            )
+            fresh.append((new, create_runtime(new, self._base_dir, registry, self._gpu)))
         removed = [rt for key, rt in current.items() if key not in want]
         changes.removed = [rt.label for rt in removed]
 
         await self._load_all(fresh, where, file_config)
-        # From here to the swap there is no await: requests see the old routing
-        # or the new one, never a mix.
+        # From here to the swap, and on into the hook until its first await, there
+        # is no await: requests see the old routing or the new one, never a mix,
+        # and the server's config names the models served before anyone reads it.
         for rt, new in in_place:
             rt.reconfigure(new)
-        left = server.registry.swap(add=[rt for _, rt in fresh], remove=removed)
-        served = [m for m in file_config.models if m.name not in unloaded]
-        server.config = server.config.model_copy(update={"models": served})
+        left = registry.swap(add=[rt for _, rt in fresh], remove=removed)
         for rt in left:
-            self._retire(rt)
-        if server.grpc is not None:
-            await server.grpc.update_health()
+            self._retire(rt)  # a task: it starts at the next await
+        await self._on_swapped([m for m in file_config.models if m.name not in unloaded])
         return changes
 
     async def _load_all(
@@ -556,7 +576,7 @@ class Reloader:
 
     async def _drain(self, runtime: Runtime) -> None:
         """Let a runtime that routing no longer reaches finish its requests, then unload it."""
-        timeout = self._server.config.drain_timeout_s
+        timeout = self._drain_timeout_s
         if not await runtime.wait_idle(timeout):
             log.warning(
                 "model %s still busy after drain_timeout_s (%.1fs); unloading anyway",
