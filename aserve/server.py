@@ -43,8 +43,8 @@ from aserve.frontends.http.app import CUT_OFF_S, HttpFrontend
 from aserve.loop.loop_lag import LoopLag
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
+from aserve.loop.runtimes.base import Generator
 from aserve.loop.runtimes.factory import create_runtime
-from aserve.loop.runtimes.generation import GenerationRuntime
 from aserve.obs.fd_limit import raise_open_file_limit
 from aserve.obs.loop_stall_metrics import LoopStallCollector
 from aserve.obs.metrics import Metrics
@@ -318,8 +318,8 @@ class Server:
                 timeout, CUT_OFF_S,
             )  # fmt: skip
             for rt in self.registry:
-                if isinstance(rt, GenerationRuntime) and rt.batcher is not None:
-                    rt.batcher.close()  # each stream's handler sends its error and ends
+                if isinstance(rt, Generator):
+                    rt.end_streams()  # each stream's handler sends its error and ends
 
     def _answered(self) -> str:
         """The requests the frontends answered since start, by protocol and status."""

@@ -17,7 +17,7 @@ from aserve.config import ModelConfig, parse_config
 from aserve.errors import QueueFull
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import change_of
-from aserve.loop.runtimes.base import DRAIN_POLL_S, Runtime, instance_group
+from aserve.loop.runtimes.base import DRAIN_POLL_S, Generator, Runtime, instance_group
 from aserve.loop.runtimes.batched import ModelRuntime
 from aserve.loop.runtimes.factory import create_runtime
 from aserve.loop.runtimes.generation import GenerationRuntime
@@ -74,6 +74,21 @@ async def test_every_runtime_class_keeps_the_one_contract(tmp_path: Path) -> Non
     # One drain, shared: no runtime waits its own way.
     assert all(type(rt).wait_idle is Runtime.wait_idle for rt in runtimes.values())
     assert DRAIN_POLL_S > 0
+
+
+async def test_only_a_decoder_model_is_a_generator_and_only_a_handler_has_its_metrics(
+    tmp_path: Path,
+) -> None:
+    runtimes = await _runtimes(tmp_path)
+    # What the generation routes test, once, instead of the class that implements it.
+    assert [n for n, rt in runtimes.items() if isinstance(rt, Generator)] == ["gen"]
+    gen = runtimes["gen"]
+    assert isinstance(gen, Generator) and gen.generation.max_model_len == 64 and gen.created > 0
+    gen.end_streams()  # nothing to end before it is loaded
+    # A declared member of the contract, not probed with getattr: None but for a
+    # handler, whose metrics exist once it is loaded.
+    assert [rt.handler_metrics for rt in runtimes.values()] == [None] * len(runtimes)
+    assert type(runtimes["hand"]).handler_metrics is not Runtime.handler_metrics
 
 
 def test_a_runtime_that_misses_a_member_of_the_contract_cannot_be_made(tmp_path: Path) -> None:

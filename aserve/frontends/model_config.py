@@ -1,6 +1,6 @@
 """A model's Triton ModelConfig as JSON, as Triton's HTTP ``/config`` answers it.
 
-Both frontends start from :meth:`ModelRuntime.triton_config` (a dict in the
+Both frontends start from :meth:`Runtime.triton_config` (a dict in the
 protobuf's field names). Over gRPC it is parsed into the ``ModelConfig``
 message; over HTTP it goes through the same message, so that both carry
 exactly the same fields, and comes back as JSON with protobuf's field names

@@ -40,7 +40,6 @@ from aserve.frontends.status import GRPC_STATUS, OK
 from aserve.loop.prompt_size import check_prompt_size
 from aserve.loop.runtimes.generation import (
     TEXT_OUTPUT,
-    GenerationRuntime,
     generation_runtime,
     text_input,
     text_tensor,
@@ -50,6 +49,7 @@ from aserve.types.generation import BadSetting, Delta, SamplingParams, sampling_
 if TYPE_CHECKING:
     from aserve.frontends.context import FrontendContext
     from aserve.frontends.grpc.calls import InFlight
+    from aserve.loop.runtimes.base import Generator
 
 SERVICE_NAME = "aserve.v1.Generation"
 _FINISH = {
@@ -76,7 +76,7 @@ class GenerationServicer(apb_grpc.GenerationServicer):
     async def Generate(
         self, request: apb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[apb.GenerateResponse]:
-        runtime: GenerationRuntime | None = None
+        runtime: Generator | None = None
         track_grpc(context, self._ctx.metrics.requests.access_log)
         gate = functools.partial(self._calls.admit, context)
         try:
@@ -183,7 +183,7 @@ class StreamOut(Protocol):
 
 async def answer_decoupled(
     out: StreamOut,
-    runtime: GenerationRuntime,
+    runtime: Generator,
     request: pb.ModelInferRequest,
     call_remaining: float | None,
     max_timeout_s: float,

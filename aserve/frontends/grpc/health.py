@@ -27,7 +27,7 @@ from aserve._proto import POOL
 
 if TYPE_CHECKING:
     from aserve.loop.registry import ModelRegistry
-    from aserve.loop.runtimes.base import Runtime as ModelRuntime
+    from aserve.loop.runtimes.base import Runtime
 
 INFERENCE_SERVICE = "inference.GRPCInferenceService"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -73,9 +73,7 @@ class Health:
         await self.servicer.enter_graceful_shutdown()
 
 
-def _status(
-    server_ready: bool, runtime: ModelRuntime
-) -> health_pb2.HealthCheckResponse.ServingStatus:
+def _status(server_ready: bool, runtime: Runtime) -> health_pb2.HealthCheckResponse.ServingStatus:
     return SERVING if server_ready and runtime.ready else NOT_SERVING
 
 

@@ -1,7 +1,7 @@
 """KServe V2 over gRPC: ``inference.GRPCInferenceService`` (frontends layer; handlers on the loop).
 
 Handlers decode a ModelInferRequest, submit it through
-:meth:`ModelRuntime.infer` and encode the answer. Errors end the call with the
+:meth:`Runtime.infer` and encode the answer. Errors end the call with the
 gRPC code from :data:`aserve.frontends.status.GRPC_STATUS` and a message
 naming the field or tensor; on ModelStreamInfer they travel per request in
 ``error_message`` and the stream goes on.
@@ -41,13 +41,13 @@ from aserve.frontends.grpc.calls import end_call
 from aserve.frontends.grpc.generate import answer_decoupled
 from aserve.frontends.model_config import triton_config_message
 from aserve.frontends.status import GRPC_STATUS
-from aserve.loop.runtimes.generation import GenerationRuntime
+from aserve.loop.runtimes.base import Generator
 
 if TYPE_CHECKING:
     from aserve.codecs.v2 import DecodedRequest
     from aserve.frontends.context import FrontendContext
     from aserve.frontends.grpc.calls import InFlight
-    from aserve.loop.runtimes.base import Runtime as ModelRuntime
+    from aserve.loop.runtimes.base import Runtime
 
 EXTENSIONS: Final = ["parameters", "statistics", "model_configuration"]
 # Requests one stream may have in flight (read, not yet answered). Past it the
@@ -84,10 +84,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._calls = calls
         self._max_timeout_s = ctx.config.limits.max_timeout_ms / 1e3
 
-    def _runtime(self, name: str, version: str) -> ModelRuntime:
+    def _runtime(self, name: str, version: str) -> Runtime:
         return self._ctx.registry.get(name, version or None)
 
-    def _every_runtime(self) -> list[ModelRuntime]:
+    def _every_runtime(self) -> list[Runtime]:
         return sorted(self._ctx.registry, key=lambda rt: (rt.name, int(rt.version)))
 
     # --- health and metadata --------------------------------------------------
@@ -168,7 +168,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         """Run one request; ``deadline_s`` is the seconds the call has left, if bounded."""
 
-        def decode(runtime: ModelRuntime) -> DecodedRequest:
+        def decode(runtime: Runtime) -> DecodedRequest:
             return decode_infer_request(
                 request,
                 runtime.name,
@@ -192,7 +192,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             runtime.name, runtime.version, decoded, outputs, runtime.output_specs
         )
 
-    def _served(self, request: pb.ModelInferRequest) -> ModelRuntime | None:
+    def _served(self, request: pb.ModelInferRequest) -> Runtime | None:
         """The runtime that serves ``request`` now, if any (for counting it)."""
         try:
             return self._runtime(request.model_name, request.model_version)
@@ -299,7 +299,7 @@ class _Stream:
         try:
             # Each request of the stream is admitted and counted.
             with admit_and_count(ctx, "grpc", lambda: runtime) as call:
-                if isinstance(runtime, GenerationRuntime):
+                if isinstance(runtime, Generator):
                     call.status = await answer_decoupled(
                         self, runtime, request, self._context.time_remaining(),
                         self._servicer._max_timeout_s,

@@ -2,7 +2,7 @@
 with the binary tensor extension (frontends layer; handlers run on the loop).
 
 The infer handler decodes and validates the body, hands the request to the
-model's runtime (``ModelRuntime.infer``) and awaits its future; when the
+model's runtime (``Runtime.infer``) and awaits its future; when the
 client disconnects, aiohttp cancels the handler and the request leaves the
 queue. Every error answers ``{"error": "..."}`` with the status from
 :data:`HTTP_STATUS`. The other route modules (generate, openai, predictions,
@@ -64,7 +64,7 @@ from aserve.obs.logs import CURRENT, REQUEST_ID_HEADER, RequestInfo
 
 if TYPE_CHECKING:
     from aserve.frontends.context import FrontendContext
-    from aserve.loop.runtimes.base import Runtime as ModelRuntime
+    from aserve.loop.runtimes.base import Runtime
 
 log = logging.getLogger("aserve.http")
 
@@ -302,7 +302,7 @@ class HttpFrontend:
     async def _not_found(self, request: web.Request) -> web.Response:
         return _json({"error": f"no such endpoint: {request.method} {request.path}"}, 404)
 
-    def _runtime(self, request: web.Request) -> ModelRuntime:
+    def _runtime(self, request: web.Request) -> Runtime:
         info = request.match_info
         return self._ctx.registry.get(info["model"], info.get("version"))
 
@@ -381,7 +381,7 @@ class HttpFrontend:
         body = await read_body(request)
         headers = request.headers
 
-        def decode(runtime: ModelRuntime) -> DecodedRequest:
+        def decode(runtime: Runtime) -> DecodedRequest:
             return decode_request(
                 body,
                 headers.get(IHCL),

@@ -113,7 +113,7 @@ def dashboard_stats(ctx: FrontendContext) -> dict[str, Any]:
                 "running": doc["running_batch_count"],
                 "generated_tokens": None if gen is None else gen["generated_tokens"],
                 "running_sequences": None if gen is None else gen["running_sequence_count"],
-                "custom": custom_metrics(getattr(rt, "handler_metrics", None)),
+                "custom": custom_metrics(rt.handler_metrics),
             }
         )
     cpu_seconds, rss_bytes, rss_is_peak = process_usage()

@@ -53,11 +53,8 @@ from aserve.frontends.http.openai_fields import (
 from aserve.frontends.http.stream import DONE, json_stream
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.prompt_size import check_prompt_size
-from aserve.loop.runtimes.generation import (
-    GenerationRuntime,
-    generation_body_limit,
-    generation_runtime,
-)
+from aserve.loop.runtimes.base import Generator
+from aserve.loop.runtimes.generation import generation_body_limit, generation_runtime
 from aserve.types.generation import (
     SAMPLING_KEYS,
     BadSetting,
@@ -144,17 +141,17 @@ class OpenAIApi:
 
     # --- models -----------------------------------------------------------------
 
-    def _models(self) -> dict[str, GenerationRuntime]:
-        latest: dict[str, GenerationRuntime] = {}
+    def _models(self) -> dict[str, Generator]:
+        latest: dict[str, Generator] = {}
         for rt in self._ctx.registry:
-            if isinstance(rt, GenerationRuntime):
+            if isinstance(rt, Generator):
                 have = latest.get(rt.name)
                 if have is None or int(rt.version) > int(have.version):
                     latest[rt.name] = rt
         return latest
 
     @staticmethod
-    def _model_doc(rt: GenerationRuntime) -> dict[str, Any]:
+    def _model_doc(rt: Generator) -> dict[str, Any]:
         return {
             "id": rt.name,
             "object": "model",

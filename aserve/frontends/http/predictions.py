@@ -44,7 +44,7 @@ from aserve.types.text import utf8_safe
 
 if TYPE_CHECKING:
     from aserve.frontends.context import FrontendContext
-    from aserve.loop.runtimes.base import Runtime as ModelRuntime
+    from aserve.loop.runtimes.base import Runtime
 
 _DEFAULT_TYPE = "application/octet-stream"
 
@@ -64,7 +64,7 @@ class Predictions:
 
     def _runtime(self, request: web.Request) -> HandlerRuntime:
         info = request.match_info
-        runtime: ModelRuntime = self._ctx.registry.get(info["model"], info.get("version"))
+        runtime: Runtime = self._ctx.registry.get(info["model"], info.get("version"))
         if not isinstance(runtime, HandlerRuntime):
             raise InvalidArgument(
                 f"model '{runtime.name}' is served by the {runtime.config.engine} engine; "

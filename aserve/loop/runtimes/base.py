@@ -6,7 +6,8 @@ weights, stopping threads) a runtime sends to a thread itself.
 A runtime serves one model version. The registry routes to it, the reloader
 loads, reconfigures, drains and unloads it, and the frontends ask it for its
 metadata, readiness and statistics and hand it requests, all through
-:class:`Runtime` alone. The classes that keep it:
+:class:`Runtime` alone; the generation routes also through :class:`Generator`,
+the contract of a runtime that streams generated text. The classes that keep it:
 
 - :class:`~aserve.loop.runtimes.batched.ModelRuntime`: an engine on executor
   threads or worker processes behind a deadline batcher;
@@ -14,7 +15,7 @@ metadata, readiness and statistics and hand it requests, all through
   pre- and postprocessing stages composed around a batched runtime;
 - :class:`~aserve.loop.runtimes.pipeline.PipelineRuntime`: other models in turn;
 - :class:`~aserve.loop.runtimes.generation.GenerationRuntime`: a decoder model
-  that streams tokens.
+  that streams tokens (a :class:`Generator`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +35,13 @@ from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.errors import Unavailable
 from aserve.obs.stats import ModelStats
 from aserve.workers.offload import run_off_loop
+
+if TYPE_CHECKING:
+    from aserve.config import GenerationConfig
+    from aserve.engines.decoder import Sequence as EngineSequence
+    from aserve.loop.continuous import GenerationRequest
+    from aserve.obs.handler_metrics import MetricSet
+    from aserve.types.generation import SamplingParams
 
 log = logging.getLogger("aserve.model")
 
@@ -142,6 +150,12 @@ class Runtime(abc.ABC):
     def worker_pids(self) -> list[int]:
         """The model's child processes (none unless it runs in some)."""
         return []
+
+    @property
+    def handler_metrics(self) -> MetricSet | None:
+        """A handler's own metrics (its ``context.metrics``), which the dashboard
+        and ``/metrics`` export; None for a model without a handler."""
+        return None
 
     # --- lifecycle --------------------------------------------------------------
 
@@ -256,6 +270,56 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def statistics(self) -> dict[str, Any]:
         """Triton's model statistics (with aserve's own extensions)."""
+
+
+class Generator(Runtime):
+    """A runtime that streams generated text: the contract of the generation routes.
+
+    OpenAI's completions, Triton's generate and the decoupled gRPC infer
+    route only to a runtime that is one (``isinstance(rt, Generator)``, tested
+    once per request). A route turns its wire request into a prompt or chat
+    messages and :class:`SamplingParams`, then::
+
+        seq = await runtime.prepare(params, prompt=...)   # tokenize, validate
+        req = runtime.generate(seq, timeout_s)             # admitted or refused at once
+        async with req:                                    # leaving early cancels it
+            async for delta in req: ...
+
+    ``generation`` holds the model's generation settings (the limits a route
+    checks before it reads a body or tokenizes a prompt), ``created`` when the
+    runtime was made (seconds since the epoch, OpenAI's ``created``).
+
+    An abstract class, not a ``typing.Protocol``: it is the Runtime contract
+    and more, and tested per request, where a protocol's ``isinstance`` costs
+    microseconds.
+    """
+
+    generation: GenerationConfig
+    created: int
+
+    @abc.abstractmethod
+    async def prepare(
+        self,
+        params: SamplingParams,
+        prompt: str | list[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        client_id: str | None = None,
+    ) -> EngineSequence:
+        """Tokenize ``prompt`` (or render ``messages``) and validate the request;
+        refusals (InvalidArgument, TooLarge, QueueFull, Unavailable) raise here,
+        before anything is queued."""
+
+    @abc.abstractmethod
+    def generate(
+        self, sequence: EngineSequence, timeout_s: float | None = None, client_id: str | None = None
+    ) -> GenerationRequest:
+        """Queue a prepared sequence: its stream (a context manager and an async
+        iterator of deltas), or a refusal at once (QueueFull, Unavailable)."""
+
+    @abc.abstractmethod
+    def end_streams(self) -> None:
+        """End every queued and running stream now, each with an error its route
+        sends (a drain's cut-off); new requests are refused."""
 
 
 def load_timeout_only(old: ModelConfig, new: ModelConfig) -> bool:

@@ -4,13 +4,8 @@ Layer: loop; runs on the event loop (long prompts are tokenized in a worker
 thread, the steps run on the step thread or in the step process). A
 :class:`~aserve.loop.runtimes.base.Runtime` like the others (the same
 registry, readiness, statistics and unload), but requests are sequences that
-stream tokens. A frontend turns its wire request into a prompt and
-:class:`SamplingParams`, then
-
-    seq = await runtime.prepare(prompt=..., params=...)   # tokenize, validate
-    req = runtime.generate(seq, timeout_s)                 # admitted or refused at once
-    async with req:                                        # leaving early cancels it
-        async for delta in req: ...
+stream tokens: a :class:`~aserve.loop.runtimes.base.Generator`, whose
+``prepare`` and ``generate`` the generation routes call.
 
 For KServe clients the model also answers ``/infer`` and ``ModelInfer``
 (``text_input`` BYTES [1] -> ``text_output`` BYTES [1], sampling settings as
@@ -37,8 +32,8 @@ from aserve.errors import InvalidArgument, TooLarge, Unavailable
 from aserve.loop.continuous import ContinuousBatcher, GenerationRequest
 from aserve.loop.prompt_size import BODY_SLACK_BYTES, body_limit, check_prompt_size
 from aserve.loop.runtimes.base import (
+    Generator,
     ModelState,
-    Runtime,
     instance_group,
     load_timeout_only,
     not_ready,
@@ -69,7 +64,7 @@ TEXT_OUTPUT = "text_output"
 _INLINE_PROMPT_BYTES = 2048
 
 
-class GenerationRuntime(Runtime):
+class GenerationRuntime(Generator):
     """A decoder model version; its request path runs on the loop."""
 
     def __init__(self, config: ModelConfig, base_dir: Path, gpu: GpuConfig | None = None) -> None:
@@ -272,6 +267,11 @@ class GenerationRuntime(Runtime):
             self._check(sequence)
         return self.batcher.submit(sequence, len(sequence.prompt_ids), timeout, client_id)
 
+    def end_streams(self) -> None:
+        """End every queued and running stream as unavailable; refuse new ones."""
+        if self.batcher is not None:
+            self.batcher.close()
+
     async def infer(
         self,
         inputs: dict[str, np.ndarray],
@@ -357,12 +357,10 @@ class GenerationRuntime(Runtime):
             await self.free_off_loop(self._engine.unload)
 
 
-def generation_runtime(
-    registry: ModelRegistry, name: str, version: str | None = None
-) -> GenerationRuntime:
+def generation_runtime(registry: ModelRegistry, name: str, version: str | None = None) -> Generator:
     """The decoder model ``name``: NotFound if unknown, InvalidArgument if it does not generate."""
     runtime = registry.get(name, version or None)
-    if not isinstance(runtime, GenerationRuntime):
+    if not isinstance(runtime, Generator):
         raise InvalidArgument(
             f"model '{runtime.label}' does not generate text (engine "
             f"'{runtime.config.engine}'); use /v2/models/{runtime.name}/infer"
@@ -374,7 +372,7 @@ def generation_body_limit(registry: ModelRegistry) -> int:
     """Largest JSON body a route that names its model in the body (OpenAI's)
     reads: the largest of the decoder models' limits (with none, just room
     for a request that names no model, which is then refused)."""
-    limits = [body_limit(rt.generation) for rt in registry if isinstance(rt, GenerationRuntime)]
+    limits = [body_limit(rt.generation) for rt in registry if isinstance(rt, Generator)]
     return max(limits, default=BODY_SLACK_BYTES)
 
 
