@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aserve.config import ModelConfig, parse_config
+from aserve.config import BatchingConfig, ModelConfig, parse_config
 from aserve.errors import QueueFull
+from aserve.library.core import Core
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import change_of
 from aserve.loop.runtimes.base import DRAIN_POLL_S, Generator, Runtime, instance_group
@@ -89,6 +90,18 @@ async def test_only_a_decoder_model_is_a_generator_and_only_a_handler_has_its_me
     # handler, whose metrics exist once it is loaded.
     assert [rt.handler_metrics for rt in runtimes.values()] == [None] * len(runtimes)
     assert type(runtimes["hand"]).handler_metrics is not Runtime.handler_metrics
+
+
+async def test_the_batching_librarys_core_is_the_batched_runtime_not_a_copy() -> None:
+    for workers, devices in ((0, ["cpu"]), (3, ["cpu", "cpu"])):
+        core = Core("m:f", "my fn", BatchingConfig(), False, workers, devices)
+        assert isinstance(core, ModelRuntime) and not inspect.isabstract(Core)
+        # Its requests, batcher and stop are the server's batched runtime's own.
+        for member in ("start", "infer", "_stop", "statistics"):
+            assert getattr(Core, member) is getattr(ModelRuntime, member), member
+        assert core.label == core.name == "my fn" and core.stats.name == "my fn"
+        assert core.config.executor == ("process" if workers else "thread")
+        assert core.config.instances == (2 if workers else 1)  # the first device's share
 
 
 def test_a_runtime_that_misses_a_member_of_the_contract_cannot_be_made(tmp_path: Path) -> None:

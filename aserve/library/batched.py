@@ -24,7 +24,7 @@ import importlib.util
 import logging
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -123,9 +123,7 @@ class Batched(Generic[In, Out]):
         """The function's result for ``item``, computed in a batch (blocks this thread)."""
         timeout_s = self._timeout_s(timeout_ms)
         loop = self._ready_sync()
-        cf = asyncio.run_coroutine_threadsafe(
-            self._core.infer(*self._encode(item), timeout_s), loop
-        )
+        cf = asyncio.run_coroutine_threadsafe(self._infer(item, timeout_s), loop)
         try:
             outputs = cf.result(timeout_s + _WATCHDOG_S)
         except AserveError as exc:
@@ -152,7 +150,7 @@ class Batched(Generic[In, Out]):
             await asyncio.wrap_future(started)  # the first calls wait for the load
         loop = self._loop
         assert loop is not None
-        coro = self._core.infer(*self._encode(item), timeout_s)
+        coro = self._infer(item, timeout_s)
         try:
             if loop is asyncio.get_running_loop():
                 outputs = await coro
@@ -175,9 +173,7 @@ class Batched(Generic[In, Out]):
         start). Cancelling the future takes the call out of the queue."""
         timeout_s = self._timeout_s(timeout_ms)
         loop = self._ready_sync()
-        raw = asyncio.run_coroutine_threadsafe(
-            self._core.infer(*self._encode(item), timeout_s), loop
-        )
+        raw = asyncio.run_coroutine_threadsafe(self._infer(item, timeout_s), loop)
         out: concurrent.futures.Future[Out] = concurrent.futures.Future()
 
         def settle(f: concurrent.futures.Future[dict[str, np.ndarray]]) -> None:
@@ -286,7 +282,7 @@ class Batched(Generic[In, Out]):
                     self._thread = LoopThread(f"aserve-batched-{self.name}")
                     bind = self._thread.loop
                 self._loop = bind
-                self._started = asyncio.run_coroutine_threadsafe(self._core.start(), bind)
+                self._started = asyncio.run_coroutine_threadsafe(self._core.load(), bind)
                 atexit.register(self._close_at_exit)
             return self._started
 
@@ -307,7 +303,7 @@ class Batched(Generic[In, Out]):
             await asyncio.wrap_future(started)  # a stop during the start waits for it
         except Exception:
             pass  # a start that failed left nothing running
-        await self._core.stop()
+        await self._core.unload()
 
     def _close_at_exit(self) -> None:
         loop = self._loop
@@ -319,6 +315,11 @@ class Batched(Generic[In, Out]):
         ``timeout_ms`` that is not a finite positive number (the server's rule)."""
         ms = self._batching.timeout_ms if timeout_ms is None else _check_timeout_ms(timeout_ms)
         return min(ms / 1000.0, _LONGEST_S)
+
+    def _infer(self, item: Any, timeout_s: float) -> Coroutine[Any, Any, dict[str, np.ndarray]]:
+        """The call as the core's request of one item (encoded here, in the caller)."""
+        inputs, shape_key = self._encode(item)
+        return self._core.infer(inputs, 1, shape_key, timeout_s)
 
     def _encode(self, item: Any) -> tuple[dict[str, np.ndarray], tuple[Any, ...]]:
         """The call as the batcher's one-item tensor and its shape key (in the caller)."""

@@ -1,37 +1,36 @@
-"""The loop side of a ``Batched``: its pool of instances, its batcher, its statistics.
+"""The loop side of a ``Batched``: the batched runtime of its function.
 
 Everything here runs on the event loop the ``Batched`` was started on (its
 own thread's, or the caller's); :mod:`aserve.library.batched` hands calls
-over with ``run_coroutine_threadsafe``. It is a small ``ModelRuntime``: the
-same :class:`aserve.loop.batcher.Batcher` queues the calls by deadline
-and cuts batches from its latency model, and an
-:class:`aserve.workers.thread_pool.ExecutorPool` (the function in this process,
-on one executor thread) or process pools (the function in worker
-processes) run them.
+over with ``run_coroutine_threadsafe``. :class:`Core` is a
+:class:`~aserve.loop.runtimes.batched.ModelRuntime`, the server's batched
+runtime, loaded, asked and unloaded through the same
+:class:`~aserve.loop.runtimes.base.Runtime` contract: the same
+:class:`aserve.loop.batcher.Batcher` queues the calls by deadline and cuts
+batches from its latency model. What it brings is the function's engine and
+where it runs: an :class:`aserve.workers.thread_pool.ExecutorPool` (the
+function in this process, on one executor thread), or worker processes
+spread over devices (:mod:`aserve.library.pools`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from aserve.config import BatchingConfig, ModelConfig, TensorSpec
+from aserve.engines.base import Engine
 from aserve.engines.python_handler import PythonHandlerEngine
 from aserve.library.pools import DevicePools, spread
 from aserve.library.runner import FunctionEngine
-from aserve.loop.batcher import Batcher
-from aserve.loop.request import InferenceRequest
+from aserve.loop.runtimes.base import ModelState
+from aserve.loop.runtimes.batched import ModelRuntime
 from aserve.obs.stats import ModelStats
 from aserve.workers.batch_process import ProcessPool, WorkerSpec
-from aserve.workers.job import ChildProcesses, EnginePool
-from aserve.workers.thread_pool import ExecutorPool
+from aserve.workers.job import EnginePool
 
 WORKER_HANDLER = "aserve.library.runner:WorkerHandler"
 
@@ -54,8 +53,14 @@ def _config(
     )
 
 
-class Core:
-    """One ``Batched``'s serving machinery, on its loop."""
+class Core(ModelRuntime):
+    """One ``Batched``'s serving machinery, on its loop: ``load``, ``infer`` (one call
+    as a request of one item), ``unload``, and :meth:`snapshot` for its statistics.
+
+    Its config is the first device's (``workers`` spread over ``devices``, as
+    :func:`~aserve.library.pools.spread` says); ``label``, the ``Batched``'s
+    name as given, names it in messages, statistics and threads.
+    """
 
     def __init__(
         self,
@@ -67,78 +72,61 @@ class Core:
         devices: Sequence[str],
     ) -> None:
         self.target = target
-        self.label = label
-        self.batching = batching
         self.stack = stack
         self.workers = workers
         self.devices = list(devices)
+        self._params = {"target": target, "label": label, "stack": stack} if workers else {}
+        device, count = spread(workers, self.devices)[0] if workers else (self.devices[0], 1)
+        super().__init__(
+            _config(label, batching, device, count, self._params),
+            Path(os.curdir),  # unread: the function has no files; workers get the cwd
+            engine=self._engine,
+            pool=self._worker_pools if workers else None,
+        )
+        self.name = self.label = label
         self.stats = ModelStats(label, "1")
-        self.pool: EnginePool | None = None
-        self.batcher: Batcher | None = None
 
-    async def start(self) -> None:
-        """Load the function (in this process or in every worker) and start batching."""
-        if self.workers == 0:
-            config = _config(self.label, self.batching, self.devices[0], 1, {})
-            engine = FunctionEngine(config, self.target, self.label, self.stack, self.devices[0])
-            await asyncio.to_thread(engine.load)
-            pool: EnginePool = ExecutorPool(engine, 1, self.label)
-        else:
-            params = {"target": self.target, "label": self.label, "stack": self.stack}
-            pools = []
-            groups = spread(self.workers, self.devices)
-            for i, (device, count) in enumerate(groups):
-                config = _config(self.label, self.batching, device, count, params)
-                # The pool's engine is only read, never run: the workers load their own.
-                front = PythonHandlerEngine(config, None, _cwd())
-                spec = WorkerSpec(config, None, str(_cwd()))
-                where = f"{self.label}@{device}" + (f"#{i}" if len(groups) > 1 else "")
-                pools.append(ProcessPool(spec, front, count, where))
-            pool = pools[0] if len(pools) == 1 else DevicePools(pools)
-        await pool.start()
-        self.pool = pool
-        self.batcher = Batcher(self.label, self.batching, pool, self.stats)
+    async def load(self) -> None:
+        """Load the function (in this process or in every worker) and start batching.
 
-    async def infer(
-        self, inputs: dict[str, np.ndarray], shape_key: tuple[Any, ...], timeout_s: float
-    ) -> dict[str, np.ndarray]:
-        """Queue one call and wait for its row of the batch's outputs.
-
-        Refusals (queue full, deadline unmeetable, closed) raise at once;
-        cancelling the awaiting task takes the call out of the queue.
+        No warm-up: a user's function is never called with made-up inputs.
         """
-        assert self.batcher is not None
-        now = time.monotonic()
-        future: asyncio.Future[dict[str, np.ndarray]] = asyncio.get_running_loop().create_future()
-        req = InferenceRequest(inputs, 1, shape_key, now, now + timeout_s, future)
-        self.batcher.submit(req)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self.batcher.forget(req)
-            raise
+        await self.start()
+        self.state = ModelState.READY
+
+    def not_ready_reason(self) -> str | None:
+        """None: every call goes to the batcher, which queues it while a worker
+        restarts (where a server's model refuses it) and refuses it once closed."""
+        return None
+
+    def _engine(self, path: Path | None) -> Engine:
+        if not self.workers:
+            return FunctionEngine(self.config, self.target, self.label, self.stack, self.devices[0])
+        # The worker pools' engine is only read, never run: the workers load their own.
+        return PythonHandlerEngine(self.config, None, _cwd())
+
+    def _worker_pools(self, front: Engine) -> EnginePool:
+        """A worker pool per device the workers are spread over, as one pool."""
+        pools = []
+        groups = spread(self.workers, self.devices)
+        for i, (device, count) in enumerate(groups):
+            config = _config(self.label, self.config.batching, device, count, self._params)
+            spec = WorkerSpec(config, None, str(_cwd()))
+            where = f"{self.label}@{device}" + (f"#{i}" if len(groups) > 1 else "")
+            pools.append(ProcessPool(spec, front, count, where))
+        return pools[0] if len(pools) == 1 else DevicePools(pools)
 
     def snapshot(self) -> dict[str, Any]:
         """Statistics: the server's per-model document, plus the batch sizes run and workers."""
-        b, pool = self.batcher, self.pool
+        b, pool = self.batcher, self._pool
         doc = self.stats.as_dict(b.pending if b else 0, b.running if b else 0)
         doc["batch_sizes"] = {
             size: s.compute_infer.count for size, s in sorted(self.stats.batch_sizes.items())
         }
         doc["restarts"] = pool.restarts if pool is not None else 0
-        doc["worker_pids"] = list(pool.pids) if isinstance(pool, ChildProcesses) else []
+        doc["worker_pids"] = self.worker_pids
         doc["live"] = pool.live if pool is not None else 0
         return doc
-
-    async def stop(self) -> None:
-        """Refuse new calls and answer the queued ones (unavailable); let running batches
-        finish; stop the workers or the thread; unload the function."""
-        if self.batcher is not None:
-            self.batcher.close()
-        pool, self.pool = self.pool, None
-        if pool is not None:
-            await pool.stop()
-            await asyncio.to_thread(pool.engine.unload)
 
 
 def _cwd() -> Path:

@@ -60,7 +60,12 @@ class ModelRuntime(Runtime):
     """An engine behind a :class:`Batcher`; its request path runs on the loop.
 
     ``engine`` makes the engine from the weights' path (None for a handler
-    without one); by default the one the config's engine names.
+    without one); by default the one the config's engine names. ``pool``
+    makes the executor that runs it, not started, from the engine as made
+    (loaded by nobody here: the pool's instances load it); by default the
+    config's instance threads (after loading the engine here) or its worker
+    processes. A handler's runtime makes its own engine; ``aserve.Batched``
+    its function's engine and its worker processes on several devices.
     """
 
     def __init__(
@@ -69,11 +74,13 @@ class ModelRuntime(Runtime):
         base_dir: Path,
         gpu: GpuConfig | None = None,
         engine: Callable[[Path | None], Engine] | None = None,
+        pool: Callable[[Engine], EnginePool] | None = None,
     ) -> None:
         super().__init__(config, base_dir, gpu)
         self.max_batch_size = config.batching.max_batch_size
         self._serve_specs_of(config)
         self._make_engine = engine
+        self._make_pool = pool
         self._pool: EnginePool | None = None
         self.batcher: Batcher | None = None
 
@@ -128,7 +135,12 @@ class ModelRuntime(Runtime):
             f"creating the engine of model '{self.label}'", self._create_engine, path
         )
         c = self.config
-        if c.executor == "process":
+        if self._make_pool is not None:
+            self.load_step = "starting the instances (each loads the model)"
+            pool = self._make_pool(engine)
+            await pool.start()  # a start that fails stops what it started
+            self._pool = pool
+        elif c.executor == "process":
             self.load_step = "starting the worker processes (each loads the model)"
             self._pool = await self._start_processes(engine, path)
         else:
@@ -346,9 +358,11 @@ class ModelRuntime(Runtime):
         """Let running batches end, stop the instances, free the model."""
         if self.batcher is not None:
             self.batcher.close()
-        if self._pool is not None:
-            await self._pool.stop(self.stop_timeout_s)
-            await self.free_off_loop(self._pool.engine.unload)
+        pool = self._pool
+        if pool is not None:
+            await pool.stop(self.stop_timeout_s)
+            self._pool = None  # stopped: it has no instances (nor pids) to report
+            await self.free_off_loop(pool.engine.unload)
 
 
 class Reservation:
