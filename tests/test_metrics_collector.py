@@ -30,6 +30,7 @@ class Model:
         self.name, self.version = name, version
         self.label = f"{name}/{version}"
         self.stats = ModelStats(name, version)
+        self.handler_metrics = None  # not a handler: no metrics of its own
 
     def statistics(self) -> dict[str, Any]:
         return {"pending_request_count": 3, "running_batch_count": 1}

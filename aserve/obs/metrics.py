@@ -29,6 +29,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from aserve.obs.handler_metrics import MetricSet
 from aserve.obs.stats import Histogram, ModelStats
 
 log = logging.getLogger("aserve.metrics")
@@ -129,6 +130,7 @@ class ScrapedModel(Protocol):
     name: str
     version: str
     stats: ModelStats
+    handler_metrics: MetricSet | None  # a handler's own metrics, None for other engines
 
     def statistics(self) -> dict[str, Any]: ...
 
@@ -324,7 +326,7 @@ class ServerCollector(Collector):
 _conflicts_logged: set[tuple[str, str]] = set()
 
 
-def handler_families(runtimes: Iterable[Any]) -> list[Metric]:
+def handler_families(runtimes: Iterable[ScrapedModel]) -> list[Metric]:
     """Handlers' custom metrics (``context.metrics``), one family per name across models.
 
     Two models may declare the same name; when their kinds, labels or buckets
@@ -333,7 +335,7 @@ def handler_families(runtimes: Iterable[Any]) -> list[Metric]:
     """
     families: dict[str, tuple[tuple[Any, ...], Metric]] = {}
     for rt in sorted(runtimes, key=lambda rt: (rt.name, int(rt.version))):
-        metric_set = getattr(rt, "handler_metrics", None)
+        metric_set = rt.handler_metrics
         if metric_set is None:
             continue
         for doc in metric_set.snapshot():
