@@ -11,10 +11,6 @@
   "no deadline" is not a deadline, and a request nobody bounds would hold its
   queue slot forever. (Body parameters are parsed where the body is decoded,
   by :func:`aserve.codecs.timeouts.parameter_timeout_s`.)
-- :func:`infer_v2`: the KServe V2 inference use case, one for HTTP and gRPC:
-  route, decode (large tensors off the loop, then route again), the
-  deadline, the runtime's answer; each frontend brings its own decoding and
-  encoding.
 - :class:`admit_and_count`: admission (:class:`Admission`,
   ``limits.max_concurrency``: how many inference requests both frontends
   serve at once; over it, refused at once with QueueFull, nothing parked)
@@ -30,7 +26,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -41,17 +36,13 @@ from typing import TYPE_CHECKING, Any, Final
 # TIMEOUT_HEADER: the frontends' name for it is this module's (see above).
 from aserve.codecs.timeouts import TIMEOUT_HEADER as TIMEOUT_HEADER
 from aserve.codecs.timeouts import header_timeout_s
-from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, ErrorCode, InternalError, QueueFull
 from aserve.frontends.status import OK
 from aserve.obs.logs import CURRENT, RequestInfo, access_record
 from aserve.obs.stats import LATENCY_BUCKETS_S, Histogram
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from aserve._proto import grpc_service_pb2 as pb
-    from aserve.codecs.v2 import DecodedRequest
     from aserve.frontends.context import FrontendContext
     from aserve.types.generation import Delta
 
@@ -171,47 +162,6 @@ def resolve_deadline(
         given = [t for t in (header_timeout_s(header), parameter_s, call_s) if t is not None]
         timeout = min(given)
     return timeout if timeout < max_s else max_s
-
-
-async def infer_v2(
-    route: Callable[[], Any],
-    decode: Callable[[Any], DecodedRequest],
-    header: str | None,
-    call_s: float | None,
-    max_s: float,
-    routed: Callable[[Any], None] | None = None,
-) -> tuple[Any, DecodedRequest, dict[str, np.ndarray]]:
-    """One KServe V2 inference: the runtime that answered, the request as
-    decoded and its outputs.
-
-    ``route()`` looks the runtime up (raising NotFound), ``decode(runtime)``
-    decodes the request against it, ``routed(runtime)`` is told each runtime
-    it is routed to (HTTP keeps it for counting). Routing is looked up with
-    no await before the request is queued, but the decoding of large tensors
-    on a thread, after which it is looked up again: a runtime a reload takes
-    out of routing is drained once its queue is empty, so a request must not
-    hold one across an await before queueing. The timeout is
-    :func:`resolve_deadline`'s, from ``header``, the body's parameters and
-    ``call_s``."""
-    runtime = route()
-    if routed is not None:
-        routed(runtime)
-    decoded = decode(runtime)
-    if decoded.pending:  # much data: decoded on a thread, then routing is looked up again
-        await asyncio.to_thread(decoded.decode_pending)
-        runtime = same_io(runtime, route())
-        if routed is not None:
-            routed(runtime)
-    timeout = resolve_deadline(header, decoded.timeout_s, call_s, runtime.default_timeout_s, max_s)
-    outputs = await runtime.infer(
-        decoded.inputs,
-        decoded.batch_size,
-        decoded.shape_key,
-        timeout,
-        decoded.client_id,
-        decoded.parameters,
-    )
-    return runtime, decoded, outputs
 
 
 class admit_and_count:  # lower case: it reads as a function, `with admit_and_count(...)`

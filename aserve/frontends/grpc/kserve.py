@@ -27,6 +27,7 @@ from aserve import __version__
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
+from aserve.codecs.validate import same_io
 from aserve.errors import AserveError
 from aserve.frontends.common import (
     EMPTY_FINAL,
@@ -34,7 +35,7 @@ from aserve.frontends.common import (
     admit_and_count,
     as_error,
     bool_parameter,
-    infer_v2,
+    resolve_deadline,
     track_grpc,
 )
 from aserve.frontends.grpc.calls import end_call
@@ -44,7 +45,6 @@ from aserve.frontends.status import GRPC_STATUS
 from aserve.loop.runtimes.base import Generator
 
 if TYPE_CHECKING:
-    from aserve.codecs.v2 import DecodedRequest
     from aserve.frontends.context import FrontendContext
     from aserve.frontends.grpc.calls import InFlight
     from aserve.loop.runtimes.base import Runtime
@@ -167,26 +167,31 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, deadline_s: float | None
     ) -> pb.ModelInferResponse:
         """Run one request; ``deadline_s`` is the seconds the call has left, if bounded."""
-
-        def decode(runtime: Runtime) -> DecodedRequest:
-            return decode_infer_request(
-                request,
-                runtime.name,
-                runtime.input_specs,
-                runtime.output_specs,
-                runtime.max_batch_size,
-                runtime.variable_shapes,
-                max_elements=self._ctx.config.limits.max_tensor_elements,
-                defer=True,
-            )
-
+        runtime = self._runtime(request.model_name, request.model_version)
+        decoded = decode_infer_request(
+            request,
+            runtime.name,
+            runtime.input_specs,
+            runtime.output_specs,
+            runtime.max_batch_size,
+            runtime.variable_shapes,
+            max_elements=self._ctx.config.limits.max_tensor_elements,
+            defer=True,
+        )
+        if decoded.pending:  # much data: decoded on a thread, then routing is looked up again
+            await asyncio.to_thread(decoded.decode_pending)
+            runtime = same_io(runtime, self._runtime(request.model_name, request.model_version))
         # Past the call's deadline nobody waits for the answer.
-        runtime, decoded, outputs = await infer_v2(
-            functools.partial(self._runtime, request.model_name, request.model_version),
-            decode,
-            None,
-            deadline_s,
-            self._max_timeout_s,
+        timeout = resolve_deadline(
+            None, decoded.timeout_s, deadline_s, runtime.default_timeout_s, self._max_timeout_s
+        )
+        outputs = await runtime.infer(
+            decoded.inputs,
+            decoded.batch_size,
+            decoded.shape_key,
+            timeout,
+            decoded.client_id,
+            decoded.parameters,
         )
         return encode_infer_response(
             runtime.name, runtime.version, decoded, outputs, runtime.output_specs

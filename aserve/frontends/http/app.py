@@ -25,9 +25,10 @@ from aiohttp import web
 
 from aserve import __version__
 from aserve.codecs.timeouts import header_timeout_s
-from aserve.codecs.v2 import DecodedRequest, decode_request, encode_response, json_object
+from aserve.codecs.v2 import decode_request, encode_response, json_object
+from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, InvalidArgument, RequestTimeout, TooLarge, Unavailable
-from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, infer_v2, request_id
+from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, request_id, resolve_deadline
 from aserve.frontends.http.admin import add_admin_routes
 from aserve.frontends.http.auth import http_middleware, server_ssl_context
 from aserve.frontends.http.bodies import BodyBudget, SpooledBody, read_back, read_spooled
@@ -379,28 +380,42 @@ class HttpFrontend:
                 f"request body is {length} bytes, over the limit max_request_bytes {self._max_body}"
             )
         body = await read_body(request)
+        # Routing is looked up only now, with no await from here to the submit
+        # (but the decoding of large tensors, after which it is looked up again):
+        # a runtime a reload takes out of routing is drained once its queue is
+        # empty, so a request must not hold one across an await before queueing.
+        runtime = self._runtime(request)
+        request[RUNTIME_KEY] = runtime
         headers = request.headers
-
-        def decode(runtime: Runtime) -> DecodedRequest:
-            return decode_request(
-                body,
-                headers.get(IHCL),
-                runtime.name,
-                runtime.input_specs,
-                runtime.output_specs,
-                runtime.max_batch_size,
-                runtime.variable_shapes,
-                max_elements=self._max_elements,
-                defer=True,
-            )
-
-        runtime, decoded, outputs = await infer_v2(
-            functools.partial(self._runtime, request),
-            decode,
+        decoded = decode_request(
+            body,
+            headers.get(IHCL),
+            runtime.name,
+            runtime.input_specs,
+            runtime.output_specs,
+            runtime.max_batch_size,
+            runtime.variable_shapes,
+            max_elements=self._max_elements,
+            defer=True,
+        )
+        if decoded.pending:  # much data: decoded on a thread, then routing is looked up again
+            await asyncio.to_thread(decoded.decode_pending)
+            runtime = same_io(runtime, self._runtime(request))
+            request[RUNTIME_KEY] = runtime
+        timeout = resolve_deadline(
             headers.get(TIMEOUT_HEADER),
+            decoded.timeout_s,
             None,
+            runtime.default_timeout_s,
             self._max_timeout_s,
-            functools.partial(request.__setitem__, RUNTIME_KEY),
+        )
+        outputs = await runtime.infer(
+            decoded.inputs,
+            decoded.batch_size,
+            decoded.shape_key,
+            timeout,
+            decoded.client_id,
+            decoded.parameters,
         )
         payload, json_length = encode_response(
             runtime.name, runtime.version, decoded, outputs, runtime.output_specs
