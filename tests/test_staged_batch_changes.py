@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_staged_batch import _answer, _passes  # the same pump and the same instance
 
 from aserve.config import BatchingConfig
 from aserve.errors import DeadlineExceeded, Unavailable
@@ -71,17 +72,6 @@ def _request(clock: _Clock, x: float, deadline_in: float = 60.0) -> InferenceReq
     loop = asyncio.get_running_loop()
     return InferenceRequest({"X": np.array([[x]], np.float32)}, 1, (), clock.now,
                             clock.now + deadline_in, loop.create_future(), None, None)  # fmt: skip
-
-
-async def _passes() -> None:
-    for _ in range(3):  # the batcher pumps with call_soon
-        await asyncio.sleep(0)
-
-
-def _answer(job: Any) -> None:
-    """What an instance does with a batch: Y = 2 X, then on_done on the loop."""
-    job.outputs = {"Y": 2 * np.concatenate([p["X"] for p in job.parts])}
-    job.on_done(job)
 
 
 async def _staged_behind_one(
