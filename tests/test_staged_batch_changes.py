@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_staged_batch import _answer, _passes  # the same pump and the same instance
+from test_staged_batch import _answer, _passes, _StagingPool  # the same pump, instance and pool
 
 from aserve.config import BatchingConfig
 from aserve.errors import DeadlineExceeded, Unavailable
@@ -42,22 +42,6 @@ class _Pool:
 
     def submit(self, job: BatchJob) -> None:
         self.jobs.append(job)
-
-
-class _StagingPool(_Pool):
-    """The same with staging: staged batches are kept for the test to take."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.staged: list[Staged] = []
-
-    def can_stage(self) -> bool:
-        return True
-
-    def stage(self, job: BatchJob) -> Staged:
-        staged = Staged(job)
-        self.staged.append(staged)
-        return staged
 
 
 def _batcher(pool: Any, clock: _Clock) -> Batcher:
@@ -96,7 +80,7 @@ def _leave(batcher: Batcher, req: InferenceRequest) -> None:
 
 
 async def test_a_member_leaving_a_staged_batch_is_taken_out_and_the_last_takes_it_back() -> None:
-    clock, pool = _Clock(), _StagingPool()
+    clock, pool = _Clock(), _StagingPool(1)
     batcher = _batcher(pool, clock)
     try:
         first, (a, b), staged = await _staged_behind_one(batcher, pool, clock, 60.0, 61.0)
@@ -115,7 +99,7 @@ async def test_a_member_leaving_a_staged_batch_is_taken_out_and_the_last_takes_i
 
 
 async def test_a_member_leaving_a_taken_batch_ends_with_it() -> None:
-    clock, pool = _Clock(), _StagingPool()
+    clock, pool = _Clock(), _StagingPool(1)
     batcher = _batcher(pool, clock)
     try:
         _, (a, b), staged = await _staged_behind_one(batcher, pool, clock, 60.0, 61.0)
@@ -133,7 +117,7 @@ async def test_a_member_leaving_a_taken_batch_ends_with_it() -> None:
 
 
 async def test_close_answers_a_staged_batch_no_instance_took() -> None:
-    clock, pool = _Clock(), _StagingPool()
+    clock, pool = _Clock(), _StagingPool(1)
     batcher = _batcher(pool, clock)
     first, (a,), staged = await _staged_behind_one(batcher, pool, clock, 60.0)
     timer = staged.job.timer  # type: ignore[attr-defined]
@@ -148,7 +132,7 @@ async def test_close_answers_a_staged_batch_no_instance_took() -> None:
 
 
 async def test_close_leaves_a_taken_batch_to_its_instance() -> None:
-    clock, pool = _Clock(), _StagingPool()
+    clock, pool = _Clock(), _StagingPool(1)
     batcher = _batcher(pool, clock)
     first, (a,), staged = await _staged_behind_one(batcher, pool, clock, 60.0)
     assert staged.take() is staged.job
@@ -164,7 +148,7 @@ async def test_close_leaves_a_taken_batch_to_its_instance() -> None:
 
 @pytest.mark.parametrize("taken", [False, True])
 async def test_a_staged_batch_past_its_deadline_is_answered_by_its_guard(taken: bool) -> None:
-    clock, pool = _Clock(), _StagingPool()
+    clock, pool = _Clock(), _StagingPool(1)
     batcher = _batcher(pool, clock)
     try:
         _, (a, b), staged = await _staged_behind_one(batcher, pool, clock, 5.0, 50.0)
@@ -186,7 +170,7 @@ async def test_a_staged_batch_past_its_deadline_is_answered_by_its_guard(taken: 
 
 
 async def test_a_member_with_an_earlier_deadline_rearms_the_staged_batch_guard() -> None:
-    clock, pool = _Clock(), _StagingPool()
+    clock, pool = _Clock(), _StagingPool(1)
     batcher = _batcher(pool, clock)
     try:
         _, _, staged = await _staged_behind_one(batcher, pool, clock, 60.0)
