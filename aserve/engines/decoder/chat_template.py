@@ -190,9 +190,9 @@ class RenderBudget:
             self.allow(value_size(value, self.bounds.max_chars))
         return value
 
-    def made(self, value: Any, size: int | None = None) -> Any:
-        """Check a value the template made (or was handed by a call), of ``size``
-        if that is known already; refuse it when it is too large. Text and
+    def made(self, value: Any) -> Any:
+        """Check a value the template made (or was handed by a call), measured
+        as it is; refuse it when it is too large. Text and
         containers count toward the total made, a container by its slots and
         what they hold (see :func:`.template_sizes.made_size`): a container
         of shared items is small, but making many of them is not."""
@@ -454,7 +454,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                 f"messages: the chat template would make an integer of more than {MAX_INT_BITS} bits"
             )
         budget.allow(size)
-        return budget.made(self.binop_table[operator](left, right), size or None)
+        return budget.made(self.binop_table[operator](left, right))
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         budget = _budget()
