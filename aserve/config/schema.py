@@ -144,12 +144,38 @@ class TensorSpec(_Frozen):
         return shape
 
 
+class QueuePolicy(_Frozen):
+    """How one priority level's requests wait (Triton's ``ModelQueuePolicy``).
+
+    ``default_timeout_microseconds`` is the deadline of a request at this level
+    that names none (None: ``batching.timeout_ms``); ``allow_timeout_override``
+    false makes it the deadline whatever the request names. ``timeout_action``
+    says what happens at the deadline to a request still queued: ``REJECT``
+    answers it with a timeout (504); ``DELAY`` keeps it queued behind every
+    request of any level still within its deadline, until it runs or
+    ``limits.max_timeout_ms`` from its arrival passes. ``max_queue_size``
+    bounds this level's queued requests (None: only ``batching.max_queue_size``,
+    every level together).
+    """
+
+    timeout_action: Literal["REJECT", "DELAY"] = "REJECT"
+    default_timeout_microseconds: Annotated[int | None, Field(ge=1)] = None
+    allow_timeout_override: bool = True
+    max_queue_size: Annotated[int | None, Field(ge=1)] = None
+
+
 class BatchingConfig(_Frozen):
     """Dynamic batching of one model.
 
     ``max_delay_ms`` bounds how long a request may wait for company; with an
     instance idle the batcher waits only when the measured latencies say a
     bigger batch pays and requests arrive fast enough to fill it.
+
+    Priorities, as Triton has them: with ``priority_levels`` N above 0, a request's
+    ``priority`` parameter is a level from 1 (the highest) to N; 0 or none means
+    ``default_priority_level``. A higher level is batched and scheduled first
+    (earliest deadline first within a level); each level's queue follows its
+    policy in ``priority_queue_policy`` (keys: levels), else ``default_queue_policy``.
     """
 
     max_batch_size: Annotated[int, Field(ge=1)] = 32
@@ -157,6 +183,10 @@ class BatchingConfig(_Frozen):
     preferred_batch_sizes: list[int] = []
     max_queue_size: Annotated[int, Field(ge=1)] = 1024
     timeout_ms: Annotated[float, Field(gt=0)] = 5000.0
+    priority_levels: Annotated[int, Field(ge=0, le=1000)] = 0
+    default_priority_level: Annotated[int, Field(ge=0)] = 0
+    default_queue_policy: QueuePolicy = QueuePolicy()
+    priority_queue_policy: dict[Annotated[int, Field(ge=1)], QueuePolicy] = {}
 
     @model_validator(mode="after")
     def _preferred_fit(self) -> BatchingConfig:
@@ -167,6 +197,31 @@ class BatchingConfig(_Frozen):
                     f"max_batch_size ({self.max_batch_size})"
                 )
         return self
+
+    @model_validator(mode="after")
+    def _levels_fit(self) -> BatchingConfig:
+        levels = self.priority_levels
+        if levels == 0:
+            if self.default_priority_level or self.priority_queue_policy:
+                raise ValueError(
+                    "default_priority_level and priority_queue_policy need priority_levels > 0"
+                )
+            return self
+        if not 1 <= self.default_priority_level <= levels:
+            raise ValueError(
+                f"default_priority_level ({self.default_priority_level}) must be between 1 and "
+                f"priority_levels ({levels})"
+            )
+        outside = sorted(k for k in self.priority_queue_policy if k > levels)
+        if outside:
+            raise ValueError(
+                f"priority_queue_policy: level(s) {outside} above priority_levels ({levels})"
+            )
+        return self
+
+    def queue_policy(self, level: int) -> QueuePolicy:
+        """The policy of priority ``level`` (1..priority_levels)."""
+        return self.priority_queue_policy.get(level, self.default_queue_policy)
 
 
 class PipelineStep(_Frozen):
@@ -373,6 +428,14 @@ class ModelConfig(_Frozen):
     load_timeout_s: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
     """Longest this model's load and warm-up may take (default: the server's
     ``load_timeout_s``); past it the model fails to load, with that reason."""
+    load: Literal["startup", "on_demand"] = "startup"
+    """When the model is loaded: with the server (``startup``), or at its first
+    request, which waits for it (``on_demand``; the server is ready without it).
+    On a device with a ``memory_budget_mib``, an on-demand model idle the
+    longest is unloaded when another needs its memory, and loads again at its
+    next request."""
+    resident: bool = False
+    """Never unloaded to make room under the device's memory budget."""
 
     @field_validator("inputs", "outputs")
     @classmethod
@@ -596,6 +659,24 @@ class ArchivesConfig(_Frozen):
     zip bomb of zeros deflates about 1000x."""
 
 
+class DeviceConfig(_Frozen):
+    """How the models on one device share it (an entry of the ``"devices"`` block).
+
+    ``independent`` (the default): each model has its own instances, which run
+    their batches whenever they have one, as if the device were theirs alone.
+    ``shared``: at most ``slots`` batches run on the device at once, all its
+    models together, and each slot that frees up goes to the batch whose
+    deadline comes first among those that can still meet theirs (a higher
+    priority level first). ``memory_budget_mib`` bounds the memory the
+    device's models hold together, as measured at their loads: before a load
+    that would pass it, idle models are unloaded, least recently used first.
+    """
+
+    scheduling: Literal["independent", "shared"] = "independent"
+    slots: Annotated[int, Field(ge=1, le=256)] = 1
+    memory_budget_mib: Annotated[int | None, Field(ge=1)] = None
+
+
 class ServerConfig(_Frozen):
     """The whole server config (the JSON file)."""
 
@@ -619,11 +700,26 @@ class ServerConfig(_Frozen):
     logging: LoggingConfig = LoggingConfig()
     dashboard: DashboardConfig = DashboardConfig()
     archives: ArchivesConfig = ArchivesConfig()
+    devices: dict[str, DeviceConfig] = {}
+    """How the models of each device (``cpu``, ``cuda``, ``cuda:N``, named as the
+    models name theirs) share it; a device not listed is ``independent``."""
     models: list[ModelConfig] = []
+
+    def device_of(self, model: ModelConfig) -> DeviceConfig:
+        """The ``devices`` entry of ``model``'s device (the default when none is listed)."""
+        return self.devices.get(model.device, _INDEPENDENT)
 
     def load_timeout_of(self, model: ModelConfig) -> float:
         """Seconds ``model``'s load and warm-up may take: its own setting, else the server's."""
         return model.load_timeout_s if model.load_timeout_s is not None else self.load_timeout_s
+
+    @field_validator("devices")
+    @classmethod
+    def _device_names(cls, devices: dict[str, DeviceConfig]) -> dict[str, DeviceConfig]:
+        for name in devices:
+            if not _DEVICE.match(name):
+                raise ValueError(f"'{name}' is not a device: use cpu, cuda or cuda:N")
+        return devices
 
     @model_validator(mode="after")
     def _unique_models(self) -> ServerConfig:
@@ -633,3 +729,6 @@ class ServerConfig(_Frozen):
                 raise ValueError(f"model '{m.name}' version '{m.version}' is configured twice")
             seen.add(m.key)
         return self
+
+
+_INDEPENDENT = DeviceConfig()
