@@ -33,18 +33,20 @@ import os
 import signal
 from pathlib import Path
 
-from aserve.config import ModelConfig, ServerConfig
+from aserve.config import DeviceConfig, ModelConfig, ServerConfig
 from aserve.engines.gpu_memory import CacheReleaser, apply_memory_limit, cuda_indices, gpu_present
 from aserve.frontends.auth import ApiKeys, load_api_keys
 from aserve.frontends.common import Admission, RequestMetrics
 from aserve.frontends.context import FrontendContext
 from aserve.frontends.grpc.server import GrpcFrontend
 from aserve.frontends.http.app import CUT_OFF_S, HttpFrontend
+from aserve.loop.device_scheduler import Devices
 from aserve.loop.loop_lag import LoopLag
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
 from aserve.loop.runtimes.base import Generator
 from aserve.loop.runtimes.factory import create_runtime
+from aserve.obs.device_metrics import DeviceCollector
 from aserve.obs.fd_limit import raise_open_file_limit
 from aserve.obs.loop_stall_metrics import LoopStallCollector
 from aserve.obs.metrics import Metrics
@@ -79,6 +81,7 @@ class Server:
         self.base_dir = base_dir
         self.state = ServerState.STARTING
         self.registry = ModelRegistry()
+        self.devices = Devices()  # the shared devices' schedulers
         self.api_keys: ApiKeys | None = None
         if config.auth is not None:
             try:
@@ -95,7 +98,7 @@ class Server:
         self.admission = Admission(config.limits.max_concurrency, self.metrics.requests.rejected)
         frontend = FrontendContext(
             config, base_dir, self.registry, self.admission, self.metrics, self.reloader,
-            self.api_keys, self.not_ready_reason,
+            self.api_keys, self.not_ready_reason, self.devices,
         )  # fmt: skip
         self.http = HttpFrontend(frontend)
         self.grpc = GrpcFrontend(frontend) if config.grpc is not None else None
@@ -110,12 +113,21 @@ class Server:
     def _state_value(self) -> str:
         return self.state.value
 
-    async def _models_swapped(self, served: list[ModelConfig]) -> None:
+    async def _models_swapped(
+        self, served: list[ModelConfig], devices: dict[str, DeviceConfig]
+    ) -> None:
         """The reloader's hook, right after it swapped the routing table: the config
-        names the models now served (before any await), then gRPC health follows."""
-        self.config = self.config.model_copy(update={"models": served})
+        names the models now served and every model runs on its device as the
+        ``devices`` block says (before any await), then gRPC health follows."""
+        self.config = self.config.model_copy(update={"models": served, "devices": devices})
+        self._share_devices()
         if self.grpc is not None:
             await self.grpc.update_health()
+
+    def _share_devices(self) -> None:
+        """Put each routed model on its shared device's scheduler, or on none."""
+        self.devices.configure(self.config.devices)
+        self.devices.assign((rt.config.device, rt) for rt in self.registry)
 
     def not_ready_reason(self) -> str | None:
         """Why the server is not ready, or None when it is."""
@@ -165,11 +177,13 @@ class Server:
             await asyncio.gather(*(rt.unload() for rt in runtimes), return_exceptions=True)
             raise StartupError("\n".join(failed))  # run() closes the listeners
         self.registry.swap(add=runtimes)
+        self._share_devices()
         self.registry.starting = False
         self.state = ServerState.READY
         self._was_ready = True
         self.metrics.start()
         self.metrics.registry.register(LoopStallCollector(LoopLag.of_running_loop().stalls))
+        self.metrics.registry.register(DeviceCollector(self.devices.snapshot))
         if self.grpc is not None:
             await self.grpc.update_health()
         self.reloader.start()

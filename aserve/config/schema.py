@@ -147,15 +147,15 @@ class TensorSpec(_Frozen):
 class QueuePolicy(_Frozen):
     """How one priority level's requests wait (Triton's ``ModelQueuePolicy``).
 
-    ``default_timeout_microseconds`` is the deadline of a request at this level
-    that names none (None: ``batching.timeout_ms``); ``allow_timeout_override``
-    false makes it the deadline whatever the request names. ``timeout_action``
+    ``default_timeout_microseconds`` is the timeout of a request at this level
+    that names none (None: ``batching.timeout_ms``; a request that names exactly
+    ``batching.timeout_ms`` counts as naming none); ``allow_timeout_override``
+    false makes it the timeout whatever the request names. ``timeout_action``
     says what happens at the deadline to a request still queued: ``REJECT``
     answers it with a timeout (504); ``DELAY`` keeps it queued behind every
-    request of any level still within its deadline, until it runs or
-    ``limits.max_timeout_ms`` from its arrival passes. ``max_queue_size``
-    bounds this level's queued requests (None: only ``batching.max_queue_size``,
-    every level together).
+    request of any level still within its deadline, for as long again as its
+    timeout, then times it out. ``max_queue_size`` bounds this level's queued
+    requests (None: only ``batching.max_queue_size``, every level together).
     """
 
     timeout_action: Literal["REJECT", "DELAY"] = "REJECT"

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from aserve.config import ServerConfig
     from aserve.frontends.auth import ApiKeys
     from aserve.frontends.common import Admission
+    from aserve.loop.device_scheduler import Devices
     from aserve.loop.registry import ModelRegistry
     from aserve.loop.reload import Reloader
     from aserve.obs.metrics import Metrics
@@ -40,3 +41,4 @@ class FrontendContext:
     reloader: Reloader
     api_keys: ApiKeys | None
     not_ready_reason: Callable[[], str | None]  # why the server is not ready, None when it is
+    devices: Devices  # the shared devices' schedulers (what the dashboard shows of them)

@@ -27,6 +27,18 @@ carries them out:
   then: grown from the queue, or taken back and cut again. Its states and the
   lock shared with the instances are :mod:`aserve.loop.staged_batch`'s; here
   are the decisions and the timers.
+- **A shared device.** On a device whose models share it
+  (:mod:`aserve.loop.device_scheduler`), a batch also needs one of the
+  device's slots: a batcher that finds none free waits with the others, and
+  the device hands the next free slot to the one with the most urgent batch
+  (:meth:`claim`; it then cuts its batch in :meth:`granted`). No batch is
+  staged there: which model runs next is the device's choice, made when a
+  slot frees up.
+- **Priority levels** (Triton's): the queue is ordered by level first (1 the
+  highest), then deadline. Admission counts, ahead of a request, only the
+  work of its own level and higher; each level has its own queue limit, and
+  a level whose policy says ``DELAY`` keeps a request that reached its
+  deadline in the queue, behind all others, instead of timing it out.
 """
 
 from __future__ import annotations
@@ -38,16 +50,27 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from aserve.config import BatchingConfig
-from aserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
+from aserve.errors import (
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    QueueFull,
+    Unavailable,
+)
 from aserve.loop.loop_lag import LoopLag
 from aserve.loop.request import InferenceRequest
 from aserve.loop.staged_batch import Seen, StagedBatch
 from aserve.obs.stats import ModelStats
+from aserve.sched.device_policy import Claim
 from aserve.sched.latency import AdmissionMargin, ArrivalRate, Echoes, LatencyModel
 from aserve.sched.policy import BatchLimits, Echo, QueueView, deadline_cap, plan, predicted_finish
 from aserve.workers.job import BatchJob, Executor, Inline, Staging
+
+if TYPE_CHECKING:
+    from aserve.loop.device_scheduler import DeviceScheduler
 
 log = logging.getLogger("aserve.batcher")
 
@@ -70,6 +93,9 @@ class _Running(BatchJob):
         self.started = started
         self.expected_end = expected_end
         self.timer: asyncio.TimerHandle | None = None
+        # The shared device it holds a slot of, and its token there (None: none).
+        self.device: DeviceScheduler | None = None
+        self.slot = 0
         # The earliest deadline in it: its deadline guard's, kept up while it is
         # staged and grows or shrinks (aserve.loop.staged_batch).
         self.earliest = min(r.deadline for r in requests)
@@ -92,6 +118,7 @@ class Batcher:
             batching.max_batch_size, batching.max_delay_ms, batching.preferred_batch_sizes
         )
         self.max_queue_size = batching.max_queue_size
+        self._set_levels(batching)
         self.latency = LatencyModel(batching.max_batch_size)
         self._rate = ArrivalRate()
         self._echoes = Echoes()  # what batch ends bring back (a closed loop's clients)
@@ -121,14 +148,137 @@ class Batcher:
         self._arrived = 0  # requests submitted since the last pump
         self._alone = True  # the last pump after arrivals found only one
         self._closed = False
+        self._device: DeviceScheduler | None = None
+        # Requests past their deadline wait in the queue's order, which puts a
+        # higher level first: with more than one level in it, they are found by
+        # deadline alone here (deadline, seq, request), stale entries included.
+        self._expiry: list[tuple[float, int, InferenceRequest]] = []
         pool.on_live = self._on_live
 
+    def _set_levels(self, batching: BatchingConfig) -> None:
+        """Take the priority levels and their queue policies of ``batching``."""
+        levels = max(batching.priority_levels, 1)
+        self.levels = levels
+        self.default_level = batching.default_priority_level or 1
+        policies = [batching.queue_policy(level) for level in range(1, levels + 1)]
+        # By level, 1..levels, and levels + 1 for DELAY's requests past their deadline.
+        self._level_limit = [math.inf] + [p.max_queue_size or math.inf for p in policies]
+        self._delays = [False] + [p.timeout_action == "DELAY" for p in policies]
+        self.delayed_level = levels + 1
+        # Each level's own timeout (None: the model's) and whether a request may name another.
+        self._timeouts: list[tuple[float | None, bool]] = [(None, True)] + [
+            (None if p.default_timeout_microseconds is None else p.default_timeout_microseconds
+             / 1e6, p.allow_timeout_override)
+            for p in policies
+        ]  # fmt: skip
+        # Whether a request's level or deadline depends on it at all (not by default).
+        self.leveled = levels > 1 or any(t != (None, True) for t in self._timeouts)
+        self._by_level = batching.priority_levels > 1 or any(self._delays)
+        self._level_requests = [0] * (levels + 2)
+        self._level_items = [0] * (levels + 2)
+
+    def level_of(self, priority: int) -> int:
+        """The level of a request whose ``priority`` parameter is ``priority`` (0:
+        none given); a model without levels has one, 1, whatever is asked."""
+        if priority == 0 or self.levels == 1:
+            return self.default_level
+        if priority > self.levels:
+            raise InvalidArgument(
+                f"parameter 'priority': {priority} is not a level of model '{self.label}': its levels "
+                f"are 1 (the highest) to {self.levels}, or 0 for the default"
+            )
+        return priority
+
+    def timeout_at(self, level: int, timeout_s: float, model_default_s: float) -> float:
+        """The timeout of a request at ``level`` that the frontend resolved to
+        ``timeout_s``: the level's own when the request named none (it got the
+        model's default, ``model_default_s``) or may not name one."""
+        own, override = self._timeouts[level]
+        if own is None:
+            return timeout_s if override else model_default_s
+        if not override or timeout_s == model_default_s:
+            return own
+        return timeout_s
+
     @property
-    def _free(self) -> int:
+    def _own_free(self) -> int:
         """Instances free for a batch: the live ones (a dead one's restart does not
         count) less the batches out, a staged one included. Below 0 while a dead
         instance's batch is out, or a batch is staged behind busy instances."""
         return self._pool.live - len(self._running) - (self._staged is not None)
+
+    @property
+    def _free(self) -> int:
+        """Batches that may start now: free instances, and on a shared device no
+        more than the slots it lets this model take."""
+        free = self._pool.live - len(self._running) - (self._staged is not None)
+        device = self._device
+        if device is None or free <= 0:
+            return free
+        return min(free, device.free_for(self))
+
+    # --- a shared device ----------------------------------------------------------
+
+    def share(self, device: DeviceScheduler | None) -> None:
+        """Run on ``device``'s slots from now on (None: on this model's instances alone).
+        Batches running keep the slot they hold until they end."""
+        if device is self._device:
+            return
+        if self._device is not None:
+            self._device.leave(self)
+        self._device = device
+        if device is not None:
+            device.join(self)
+        if self._queued_requests and not self._pump_soon:
+            self._pump_soon = True
+            self._loop.call_soon(self._pump)
+
+    @property
+    def device(self) -> DeviceScheduler | None:
+        return self._device
+
+    def claim(self, now: float) -> Claim | None:
+        """What this model would run in a free slot of its device now (None: nothing).
+
+        Requests already past their deadline, or hopeless, are answered first (as
+        the next pump would), so that the claim is the request the batch is cut for.
+        """
+        if self._closed or self._own_free <= 0:
+            return None
+        self._expire_queued(now)
+        while self._queued_requests and self._shed_hopeless(now):
+            pass
+        top = self._top()
+        if top is None:
+            return None
+        feasible = not self.latency.known or now + self.latency.estimate(top.batch_size) <= (
+            top.deadline
+        )
+        return Claim(feasible, top.level, top.deadline, top.seq)
+
+    def granted(self) -> None:
+        """The device gave this model a slot for one batch: cut and dispatch it now."""
+        self._pump()
+
+    def queued_work(self, now: float, level: int, deadline: float) -> float:
+        """Seconds of this model's queued work that the device runs before a request
+        of another model at ``level`` with ``deadline`` (see DeviceScheduler.ahead_s)."""
+        if not self._queued_requests or not self.latency.known:
+            return 0.0
+        top = self._top()
+        if top is None or (top.level, top.deadline) > (level, deadline):
+            return 0.0
+        items = self._items_up_to(level)
+        full = self.limits.max_batch_size
+        batches, rest = divmod(items, full)
+        estimate = self.latency.estimate
+        return batches * estimate(full) + (estimate(rest) if rest else 0.0)
+
+    def _items_up_to(self, level: int) -> int:
+        """Items queued at ``level`` or higher (every one without levels)."""
+        if not self._by_level:
+            return self._queued_items
+        return sum(self._level_items[1 : level + 1])
 
     def _on_live(self) -> None:
         """An instance died or came back: a batch may run now that could not."""
@@ -158,7 +308,9 @@ class Batcher:
 
     def submit(self, req: InferenceRequest) -> None:
         """Queue ``req`` or raise at once (QueueFull / Unavailable / DeadlineExceeded)."""
-        req.predicted = self.check_admission(req.arrival, req.deadline, req.batch_size) or 0.0
+        req.predicted = (
+            self.check_admission(req.arrival, req.deadline, req.batch_size, level=req.level) or 0.0
+        )
         now = req.arrival
         self._rate.observe(now)
         self._echoes.arrived(now, req.batch_size)
@@ -166,11 +318,8 @@ class Batcher:
         if self._inline is not None and self._runs_now(req, now):
             self._run_inline(req)
             return
-        req.queued = True
-        heapq.heappush(self._heap, req)
+        self._enqueue(req)
         self._fifo.append(req)
-        self._queued_requests += 1
-        self._queued_items += req.batch_size
         if not self._pump_soon:
             self._pump_soon = True
             self._loop.call_soon(self._pump)
@@ -189,6 +338,17 @@ class Batcher:
         echo = self._echoes.expected(now)
         return plan(now, view, self._free, self.limits, self.latency.estimate, rate, echo).take == n
 
+    def _enqueue(self, req: InferenceRequest) -> None:
+        """Put ``req`` in the queue (not the FIFO: the caller keeps that in order)."""
+        req.queued = True
+        heapq.heappush(self._heap, req)
+        self._queued_requests += 1
+        self._queued_items += req.batch_size
+        self._level_requests[req.level] += 1
+        self._level_items[req.level] += req.batch_size
+        if self._by_level:
+            heapq.heappush(self._expiry, (req.deadline, req.seq, req))
+
     def _run_inline(self, req: InferenceRequest) -> None:
         """Run ``req`` as a batch of its own here, inline, and answer it before
         ``submit`` returns: its handler goes on without waiting for a turn of the
@@ -200,6 +360,7 @@ class Batcher:
         size = self._note_queue_wait([req], start)
         running = _Running([req], size, start, start + self.latency.estimate(size), self._on_done)
         self._running.add(running)
+        self._take_slot(running)
         self._inline.run_inline(running)
         self._answer(running)
         # The pump that follows any arrival: requests parsed after this one in the
@@ -240,6 +401,7 @@ class Batcher:
         ahead_requests: int = 0,
         ahead_items: int = 0,
         ready_at: float | None = None,
+        level: int = 1,
     ) -> float | None:
         """Raise what :meth:`submit` would refuse a request of ``items`` with.
 
@@ -262,6 +424,13 @@ class Batcher:
                 f"model '{self.label}' queue is full: {queued} requests waiting "
                 f"(max_queue_size {self.max_queue_size}); retry later"
             )
+        if self._level_requests[level] >= self._level_limit[level]:
+            self._stats.rejected["queue_full"] += 1
+            self._echoes.arrived(now, items)
+            raise QueueFull(
+                f"model '{self.label}' queue of priority level {level} is full: "
+                f"{self._level_requests[level]} requests waiting (its max_queue_size); retry later"
+            )
         if deadline <= now:
             raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
         if not self._running and self._queued_requests + ahead_requests == 0:
@@ -281,9 +450,17 @@ class Batcher:
         start = now if ready_at is None else ready_at
         first_free = (
             start
-            if self._free > 0 or not self._running
+            if self._own_free > 0 or not self._running
             else min(r.started + high(r.size) for r in self._running)
         )
+        instances = self._pool.live
+        device = self._device
+        if device is not None:
+            # The device runs the other models' work that comes first before this
+            # model's; and no more of this model's batches at once than it has slots.
+            first_free = max(first_free, start + device.ahead_s(self, start, level, deadline))
+            instances = min(instances, device.slots)
+        queued_items = self._items_up_to(level)
         fresh = now <= self._fresh_until
         # The next batch is cut by the earliest deadline among the queued and this
         # request: size the batches ahead by it (the queue's own evidence), not by a
@@ -296,11 +473,16 @@ class Batcher:
         if ahead_requests and not fresh:  # reserved, so not in the heap: deadlines unknown
             ahead_deadline = min(ahead_deadline, start + (deadline - start) / 2)
         staged = self._staged
-        if staged is not None:  # it runs before anything queued now
+        if staged is not None and self._by_level:
+            # It runs before anything queued now, as the batch it is: with levels its
+            # requests may be a lower level's, whose deadlines say nothing of how
+            # the batches behind it (this request's level first) are cut.
+            first_free += high(staged.batch.size)
+        elif staged is not None:  # it runs before anything queued now
             ahead_items += staged.batch.size
             ahead_deadline = min(ahead_deadline, staged.batch.earliest)
         finish = predicted_finish(
-            start, self._queued_items + ahead_items, items, self._pool.live,
+            start, queued_items + ahead_items, items, instances,
             first_free, self.limits, high, deadline, ahead_deadline,
         )  # fmt: skip
         predicted = finish
@@ -316,7 +498,7 @@ class Batcher:
         # it, and the measured latencies are what will drain it): a server whose load
         # fell serves what it can, and so lowers the margin, instead of refusing on an
         # old factor.
-        if self._queued_items + ahead_items > 0 and not fresh:
+        if queued_items + ahead_items > 0 and not fresh:
             finish = now + (finish - now) * self.margin.factor
         # The loop's own lag, once: the answer waits in it before it is written. The
         # wait before this handler ran is behind us, and the deadline starts here.
@@ -355,6 +537,8 @@ class Batcher:
         req.queued = False
         self._queued_requests -= 1
         self._queued_items -= req.batch_size
+        self._level_requests[req.level] -= 1
+        self._level_items[req.level] -= req.batch_size
 
     def _top(self) -> InferenceRequest | None:
         """The most urgent queued request (None: nothing queued).
@@ -383,6 +567,9 @@ class Batcher:
         if len(self._heap) > limit:
             self._heap = [r for r in self._heap if r.queued]
             heapq.heapify(self._heap)
+        if len(self._expiry) > limit:
+            self._expiry = [e for e in self._expiry if e[2].queued and e[0] == e[2].deadline]
+            heapq.heapify(self._expiry)
         if len(self._fifo) > limit:
             self._fifo = deque(r for r in self._fifo if r.queued)
 
@@ -401,17 +588,24 @@ class Batcher:
         if self._staged is not None:
             self._restage(now)
         wake_at: float | None = None
-        while self._queued_requests and self._free > 0:
+        while self._queued_requests and (free := self._free) > 0:
             if self._shed_hopeless(now):
                 continue  # the queue changed: look at it again
-            view = QueueView(self._queued_items, self._oldest_arrival(), self._heap[0].deadline)
-            decision = plan(now, view, self._free, self.limits, self.latency.estimate,
+            top = self._top()
+            if top is None:
+                break
+            view = QueueView(self._queued_items, self._oldest_arrival(), top.deadline)
+            decision = plan(now, view, free, self.limits, self.latency.estimate,
                             self._rate.per_second(now), self._echoes.expected(now))  # fmt: skip
             if decision.take == 0:
                 wake_at = decision.wake_at
                 break
             self._dispatch(self._form(decision.take, now), now)
-        if (
+        device = self._device
+        if device is not None:
+            if self._queued_requests and wake_at is None and self._own_free > 0:
+                device.want(self)  # a batch to run, and no slot: the device decides when
+        elif (
             self._stager is not None
             and self._staged is None
             and self._queued_requests
@@ -504,10 +698,7 @@ class Batcher:
         """Put back the requests of a staged batch taken back (those still unanswered)."""
         back = [r for r in requests if not r.future.done()]
         for req in back:
-            req.queued = True
-            heapq.heappush(self._heap, req)
-            self._queued_requests += 1
-            self._queued_items += req.batch_size
+            self._enqueue(req)
         # They are older than most of the queue: the FIFO is rebuilt in arrival order.
         self._fifo = deque(sorted((r for r in (*back, *self._fifo) if r.queued),
                                   key=lambda r: r.arrival))  # fmt: skip
@@ -561,12 +752,41 @@ class Batcher:
         return True
 
     def _expire_queued(self, now: float) -> None:
+        if self._by_level:
+            self._expire_by_deadline(now)
+            return
         while (req := self._top()) is not None and req.deadline <= now:
             self._pop_top()
             self._time_out(req, now, now, (
                 f"request timed out after {(now - req.arrival) * 1e3:.1f} ms waiting in the "
                 f"queue of '{self.label}'"
             ))  # fmt: skip
+
+    def _expire_by_deadline(self, now: float) -> None:
+        """:meth:`_expire_queued` with levels: the queue's top is not the earliest
+        deadline, so the requests past theirs are found in ``_expiry``. A level
+        whose policy says DELAY keeps its request, demoted below every level, for
+        as long again as its timeout."""
+        expiry = self._expiry
+        demoted = False
+        while expiry and expiry[0][0] <= now:
+            deadline, _, req = heapq.heappop(expiry)
+            if not req.queued or deadline != req.deadline:
+                continue  # stale: dispatched, cancelled, or demoted since
+            self._unqueue(req)
+            if req.level != self.delayed_level and self._delays[req.level]:
+                req.level = self.delayed_level
+                req.deadline = deadline + (deadline - req.arrival)
+                self._enqueue(req)
+                demoted = True
+                continue
+            self._time_out(req, now, now, (
+                f"request timed out after {(now - req.arrival) * 1e3:.1f} ms waiting in the "
+                f"queue of '{self.label}'"
+            ))  # fmt: skip
+        if demoted:  # its heap entry still sits at its old place: put it in order
+            self._heap = [r for r in self._heap if r.queued]
+            heapq.heapify(self._heap)
 
     def _time_out(self, req: InferenceRequest, now: float, until: float, message: str) -> None:
         """Answer ``req`` with a timeout (``message``), counted and told to the margin
@@ -598,7 +818,15 @@ class Batcher:
         running = _Running(picked, size, now, now + self.latency.estimate(size), self._on_done)
         running.timer = self._loop.call_later(running.earliest - now, self._expire_running, running)
         self._running.add(running)
+        self._take_slot(running)
         self._pool.submit(running)
+
+    def _take_slot(self, running: _Running) -> None:
+        """On a shared device, ``running`` holds a slot until it ends."""
+        device = self._device
+        if device is not None:
+            running.device = device
+            running.slot = device.acquire(self.label, running.expected_end)
 
     def _note_queue_wait(self, picked: list[InferenceRequest], now: float) -> int:
         """Record the queue time of ``picked``, whose batch starts at ``now``; returns its size."""
@@ -629,10 +857,10 @@ class Batcher:
         self._running.discard(running)
         if running.timer is not None:
             running.timer.cancel()
-        answered = sum(r.batch_size for r in running.requests if not r.future.done())
-        self._echoes.ended(now, answered, self.limits.max_delay)
         if running.error is None:  # a failure's time (an instant refusal, say) says nothing
             self.latency.observe(running.size, now - running.started)
+        answered = sum(r.batch_size for r in running.requests if not r.future.done())
+        self._echoes.ended(now, answered, self.limits.max_delay)
         t0 = time.perf_counter_ns()
         outputs, requests, stats = running.outputs, running.requests, self._stats
         if outputs is None:
@@ -661,6 +889,13 @@ class Batcher:
                 self.margin.served(now, served, worst or None)
         stats.record_batch(running.size, len(requests), running.input_ns, running.infer_ns,
                            time.perf_counter_ns() - t0)  # fmt: skip
+        if running.device is not None:
+            # The slot goes to the most urgent batch at once, this model's next one
+            # among the candidates (it waits for the slot like the others).
+            device, running.device = running.device, None
+            if self._queued_requests and device is self._device and self._own_free > 0:
+                device.waits(self)
+            device.release(running.slot, running.started, running.size)
 
     def _expire_running(self, running: _Running) -> None:
         """Deadline guard for a batch still in its executor: answer the expired now."""
@@ -689,7 +924,14 @@ class Batcher:
     def _arm_timer(self, wake_at: float | None) -> None:
         at = wake_at
         if self._queued_requests:
-            top = self._heap[0].deadline
+            if self._by_level:
+                expiry = self._expiry
+                while expiry and (not expiry[0][2].queued or expiry[0][0] != expiry[0][2].deadline):
+                    heapq.heappop(expiry)
+                top = expiry[0][0] if expiry else math.inf
+            else:
+                head = self._top()
+                top = head.deadline if head is not None else math.inf
             at = top if at is None else min(at, top)
         if at is None:
             if self._timer is not None:
@@ -713,7 +955,8 @@ class Batcher:
         """Take new batching settings in place (a config reload that needs no reload).
 
         ``max_batch_size`` cannot change here: the latency table and the
-        engine's staging buffers are sized by it. Queued requests stay; a
+        engine's staging buffers are sized by it; nor can the priority levels,
+        which order the queue (``batching_reconfigurable`` in runtimes.base says so). Queued requests stay; a
         smaller ``max_queue_size`` only refuses new ones until the queue drains.
         """
         if batching.max_batch_size != self.limits.max_batch_size:
@@ -735,6 +978,9 @@ class Batcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._device is not None:
+            self._device.leave(self)
+            self._device = None
         error = Unavailable(f"model '{self.label}' is unloading")
         for req in self._heap:
             if req.queued:
@@ -747,6 +993,7 @@ class Batcher:
                 _fail(req, error)
         self._heap.clear()
         self._fifo.clear()
+        self._expiry.clear()
 
 
 def _overrun(req: InferenceRequest, until: float) -> float | None:

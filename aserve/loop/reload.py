@@ -23,7 +23,8 @@ are compared with what the server started with and reported, not applied.
 The reloader is handed what it works on, not the server: the routing table,
 the base directory, the config the server started with and where it came
 from, a way to read the server's state, and an ``on_swapped`` hook the server
-fills (its config's models, gRPC health) that runs right after each swap.
+fills (its config's models, the shared devices, gRPC health) that runs right
+after each swap.
 
 Each new runtime's load and warm-up is bounded by its ``load_timeout_s``; a
 load past it fails the change like any other failed load. So is checking a
@@ -50,7 +51,14 @@ from typing import Any, Literal
 
 import orjson
 
-from aserve.config import ConfigError, ModelConfig, ServerConfig, archive_cache, parse_config
+from aserve.config import (
+    ConfigError,
+    DeviceConfig,
+    ModelConfig,
+    ServerConfig,
+    archive_cache,
+    parse_config,
+)
 from aserve.engines.checks import check_model_files
 from aserve.errors import InternalError, NotFound, Unavailable
 from aserve.loop.archive_sweep import ArchiveSweeper
@@ -165,8 +173,9 @@ class Reloader:
     ``registry`` is the routing table it swaps; ``config`` the config the server
     started with (its ``gpu`` and ``drain_timeout_s``, which only a restart
     changes, are the ones this reloader uses); ``state`` gives the server's
-    lifecycle state ("ready" while it serves). ``on_swapped(models)`` is awaited
-    right after each swap with the models now served; whatever it does before
+    lifecycle state ("ready" while it serves). ``on_swapped(models, devices)`` is
+    awaited right after each swap with the models now served and the config's
+    ``devices`` block; whatever it does before
     its first ``await`` happens with no request seeing the new routing first.
     """
 
@@ -177,7 +186,7 @@ class Reloader:
         config: ServerConfig,
         source: ConfigSource | None,
         state: Callable[[], str],
-        on_swapped: Callable[[list[ModelConfig]], Awaitable[None]],
+        on_swapped: Callable[[list[ModelConfig], dict[str, DeviceConfig]], Awaitable[None]],
     ) -> None:
         self._registry = registry
         self._base_dir = base_dir
@@ -525,7 +534,8 @@ class Reloader:
         left = registry.swap(add=[rt for _, rt in fresh], remove=removed)
         for rt in left:
             self._retire(rt)  # a task: it starts at the next await
-        await self._on_swapped([m for m in file_config.models if m.name not in unloaded])
+        served = [m for m in file_config.models if m.name not in unloaded]
+        await self._on_swapped(served, file_config.devices)
         return changes
 
     async def _load_all(

@@ -47,10 +47,13 @@ class InferenceRequest:
     compute_ns: int = field(init=False, default=0)  # its batch's time in the engine, once answered
     # when admission expected it done (0: nothing measured yet)
     predicted: float = field(init=False, default=0.0)
+    # Its priority level: 1 is the highest, and every request of a model without
+    # levels; a DELAY level's request past its deadline drops below them all.
+    level: int = field(init=False, default=1)
 
     def __lt__(self, other: InferenceRequest) -> bool:
-        # Heap order: earliest deadline first, then first come.
-        return (self.deadline, self.seq) < (other.deadline, other.seq)
+        # Heap order: the higher level first, then earliest deadline, then first come.
+        return (self.level, self.deadline, self.seq) < (other.level, other.deadline, other.seq)
 
     @property
     def log_id(self) -> str:

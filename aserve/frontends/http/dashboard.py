@@ -141,6 +141,8 @@ def dashboard_stats(ctx: FrontendContext) -> dict[str, Any]:
             "rss_is_peak": rss_is_peak,
             "child_processes": len(child_pids),  # included in cpu_seconds and rss_bytes
         },
+        # Shared devices: slots busy, who waits, the last batches each slot ran.
+        "devices": ctx.devices.snapshot(timeline=True),
         "gpus": [
             {
                 "index": index,

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from aserve.config import GenerationConfig
     from aserve.engines.decoder import Sequence as EngineSequence
     from aserve.loop.continuous import GenerationRequest
+    from aserve.loop.device_scheduler import DeviceScheduler
     from aserve.obs.handler_metrics import MetricSet
     from aserve.types.generation import SamplingParams
 
@@ -241,6 +242,12 @@ class Runtime(abc.ABC):
         self.config = config
         self.default_timeout_s = self.timeout_of(config)
 
+    def share(self, device: DeviceScheduler | None) -> None:
+        """Run batches on ``device``'s shared slots (None: as if the device were this
+        model's alone). Only runtimes with a batcher take part; a decoder's steps
+        and a pipeline's (each its step models') do not ask a device for slots."""
+        del device  # this one has no batcher: nothing runs on the device's slots
+
     # --- requests and what is reported ------------------------------------------
 
     @abc.abstractmethod
@@ -252,11 +259,17 @@ class Runtime(abc.ABC):
         timeout_s: float,
         client_id: str | None = None,
         parameters: dict[str, Any] | None = None,
+        *,
+        arrival: float | None = None,
     ) -> dict[str, np.ndarray]:
         """One validated KServe request: its outputs, or its error raised.
 
-        Refusals (queue full, deadline unmeetable, not ready) raise at once;
-        cancelling the awaiting task withdraws the request.
+        Its deadline is ``arrival + timeout_s``: ``arrival`` is the
+        ``time.monotonic()`` at which the frontend read the request's first
+        bytes (None: now, for callers that have no earlier time), so the time
+        spent before this call counts against it.
+        Refusals (queue full, deadline unmeetable or already passed, not ready)
+        raise at once; cancelling the awaiting task withdraws the request.
         """
 
     @abc.abstractmethod
@@ -281,7 +294,7 @@ class Generator(Runtime):
     messages and :class:`SamplingParams`, then::
 
         seq = await runtime.prepare(params, prompt=...)   # tokenize, validate
-        req = runtime.generate(seq, timeout_s)             # admitted or refused at once
+        req = runtime.generate(seq, timeout_s, arrival=t)  # admitted or refused at once
         async with req:                                    # leaving early cancels it
             async for delta in req: ...
 
@@ -311,10 +324,17 @@ class Generator(Runtime):
 
     @abc.abstractmethod
     def generate(
-        self, sequence: EngineSequence, timeout_s: float | None = None, client_id: str | None = None
+        self,
+        sequence: EngineSequence,
+        timeout_s: float | None = None,
+        client_id: str | None = None,
+        *,
+        arrival: float | None = None,
     ) -> GenerationRequest:
         """Queue a prepared sequence: its stream (a context manager and an async
-        iterator of deltas), or a refusal at once (QueueFull, Unavailable)."""
+        iterator of deltas), or a refusal at once (QueueFull, Unavailable,
+        DeadlineExceeded). Its deadline counts from ``arrival``, as
+        :meth:`Runtime.infer`'s does."""
 
     @abc.abstractmethod
     def end_streams(self) -> None:
@@ -330,8 +350,14 @@ def load_timeout_only(old: ModelConfig, new: ModelConfig) -> bool:
 def batching_reconfigurable(old: ModelConfig, new: ModelConfig) -> bool:
     """``new`` differs from ``old`` at most in batching settings that need no
     reload (all but ``max_batch_size``) and in ``load_timeout_s``: the rule of
-    runtimes with a batcher."""
-    if old.batching.max_batch_size != new.batching.max_batch_size:
+    runtimes with a batcher. Priority levels and their policies shape the
+    queue that holds requests now: they need a new runtime too."""
+    ob, nb = old.batching, new.batching
+    if ob.max_batch_size != nb.max_batch_size:
+        return False
+    if (ob.priority_levels, ob.default_priority_level, ob.default_queue_policy,
+            ob.priority_queue_policy) != (nb.priority_levels, nb.default_priority_level,
+                                          nb.default_queue_policy, nb.priority_queue_policy):  # fmt: skip
         return False
     return load_timeout_only(old.model_copy(update={"batching": new.batching}), new)
 

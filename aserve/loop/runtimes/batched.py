@@ -19,8 +19,9 @@ import numpy as np
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines import builtin, create_engine
 from aserve.engines.base import Engine
-from aserve.errors import Unavailable
+from aserve.errors import InvalidArgument, Unavailable
 from aserve.loop.batcher import Batcher
+from aserve.loop.device_scheduler import DeviceScheduler
 from aserve.loop.request import InferenceRequest
 from aserve.loop.runtimes.base import (
     CUT_SHORT_STOP_S,
@@ -83,6 +84,7 @@ class ModelRuntime(Runtime):
         self._make_pool = pool
         self._pool: EnginePool | None = None
         self.batcher: Batcher | None = None
+        self._device: DeviceScheduler | None = None  # the shared device it runs on, if any
 
     def not_ready_reason(self) -> str | None:
         """Why the model cannot take requests now, or None when it can.
@@ -155,6 +157,7 @@ class ModelRuntime(Runtime):
                 raise
         self._serve_specs_of(engine.config)
         self.batcher = Batcher(self.label, self.config.batching, self._pool, self.stats)
+        self.batcher.share(self._device)
         return path
 
     async def _start_processes(self, engine: Engine, path: Path | None) -> ProcessPool:
@@ -260,24 +263,37 @@ class ModelRuntime(Runtime):
         timeout_s: float,
         client_id: str | None = None,
         parameters: dict[str, Any] | None = None,
+        *,
+        arrival: float | None = None,
     ) -> dict[str, np.ndarray]:
         """Queue one validated request and wait for its outputs.
 
-        Refusals (queue full, deadline unmeetable, not ready) raise at once.
+        Its deadline is ``arrival`` (None: now) + ``timeout_s``; the batcher
+        admits it on what is left of that. Refusals (queue full, deadline
+        unmeetable or already passed, not ready) raise at once. (The request's
+        own ``arrival`` is now, when it joins the queue: what the batcher's
+        ``max_delay_ms`` counts from, a wait for company, as before: counted
+        from the first bytes, it cut the tiny model's batches short.)
         Cancelling the awaiting task, which is what a frontend sees when its
         client goes away, takes the request out of the queue; a batch already
         running for it finishes, and its answer is dropped.
         """
         now = time.monotonic()
         req = InferenceRequest(
-            inputs, batch_size, shape_key, now, now + timeout_s,
+            inputs, batch_size, shape_key, now, (now if arrival is None else arrival) + timeout_s,
             asyncio.get_running_loop().create_future(), client_id, parameters,
         )  # fmt: skip
         reason = self.not_ready_reason()
         if reason is not None:
             raise Unavailable(reason)
-        assert self.batcher is not None
-        self.batcher.submit(req)
+        batcher = self.batcher
+        assert batcher is not None
+        if batcher.leveled or (parameters and "priority" in parameters):
+            req.level = level = batcher.level_of(priority_of(parameters))
+            if batcher.leveled:  # the level's queue policy may set its timeout
+                timeout = batcher.timeout_at(level, timeout_s, self.default_timeout_s)
+                req.deadline = arrival + timeout
+        batcher.submit(req)
         try:
             return await req.future
         except asyncio.CancelledError:
@@ -322,6 +338,12 @@ class ModelRuntime(Runtime):
         super().reconfigure(config)
         if self.batcher is not None:
             self.batcher.reconfigure(config.batching)
+
+    def share(self, device: DeviceScheduler | None) -> None:
+        """Run batches on ``device``'s shared slots (None: on its own instances alone)."""
+        self._device = device
+        if self.batcher is not None:
+            self.batcher.share(device)
 
     def metadata(self) -> dict[str, Any]:
         return tensor_metadata(self, PLATFORMS[self.config.engine])
@@ -404,6 +426,17 @@ def tensor_triton_config(runtime: Runtime) -> dict[str, Any]:
         "input": [_config_tensor(s) for s in runtime.input_specs.values()],
         "output": [_config_tensor(s) for s in runtime.output_specs.values()],
     }
+
+
+def priority_of(parameters: dict[str, Any] | None) -> int:
+    """The ``priority`` parameter of a request (0: none given), checked."""
+    value = 0 if parameters is None else parameters.get("priority", 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgument(
+            f"parameter 'priority' must be a non-negative integer (a priority level, 1 the "
+            f"highest, or 0 for the model's default), got {value!r}"
+        )
+    return value
 
 
 def _settle_job(job: BatchJob) -> None:

@@ -41,6 +41,7 @@ from aserve.errors import (
     InternalError,
     InvalidArgument,
 )
+from aserve.loop.device_scheduler import DeviceScheduler
 from aserve.loop.runtimes.base import ModelState, Runtime, batching_reconfigurable
 from aserve.loop.runtimes.batched import ModelRuntime
 from aserve.loop.runtimes.handler_threads import Spread, TimedStage, raw_post_threadsafe
@@ -129,6 +130,10 @@ class HandlerRuntime(Runtime):
         super().reconfigure(config)
         self._batched.reconfigure(config)
 
+    def share(self, device: DeviceScheduler | None) -> None:
+        """The batched middle runs on ``device``'s shared slots (see ModelRuntime.share)."""
+        self._batched.share(device)
+
     def metadata(self) -> dict[str, Any]:
         return self._batched.metadata()
 
@@ -187,14 +192,16 @@ class HandlerRuntime(Runtime):
         timeout_s: float,
         client_id: str | None = None,
         parameters: dict[str, Any] | None = None,
+        *,
+        arrival: float | None = None,
     ) -> dict[str, np.ndarray]:
         """preprocess -> batch -> infer -> postprocess; see the module docstring.
 
-        The deadline covers the whole path; a request whose deadline passes
-        during preprocessing is not queued.
+        The deadline, ``arrival`` (None: now) + ``timeout_s``, covers the whole
+        path; a request whose deadline passes during preprocessing is not queued.
         """
         request = HandlerRequest(inputs, batch_size, dict(parameters or {}), client_id)
-        response = await self._serve(request, "preprocess", "postprocess", timeout_s)
+        response = await self._serve(request, "preprocess", "postprocess", timeout_s, arrival)
         return self._response(response, batch_size)
 
     def raw_refusal(self) -> str | None:
@@ -216,10 +223,13 @@ class HandlerRuntime(Runtime):
         timeout_s: float,
         client_id: str | None = None,
         parameters: dict[str, Any] | None = None,
+        *,
+        arrival: float | None = None,
     ) -> tuple[bytes, str]:
         """A raw body through ``preprocess_raw`` -> batch -> infer -> ``postprocess_raw``
         (else ``postprocess``); the answer's bytes and Content-Type (see
-        :func:`aserve.engines.python_handler.raw_answer`)."""
+        :func:`aserve.engines.python_handler.raw_answer`). The deadline as
+        :meth:`infer`'s."""
         reason = self.raw_refusal()
         if reason is not None:
             raise InvalidArgument(reason)
@@ -228,7 +238,7 @@ class HandlerRuntime(Runtime):
         post = "postprocess_raw"
         if not callable(getattr(self._engine.handler, post, None)):
             post = "postprocess"
-        answer = await self._serve(request, RAW_METHOD, post, timeout_s, raw=True)
+        answer = await self._serve(request, RAW_METHOD, post, timeout_s, arrival, raw=True)
         assert isinstance(answer, tuple)
         return answer
 
@@ -238,6 +248,7 @@ class HandlerRuntime(Runtime):
         pre: str,
         post: str,
         timeout_s: float,
+        arrival: float | None,
         raw: bool = False,
     ) -> Any:
         """One request through the handler's ``pre`` and ``post`` methods and the batch;
@@ -249,7 +260,11 @@ class HandlerRuntime(Runtime):
             self.require_ready()
             assert self._engine is not None
             now = time.monotonic()
-            deadline = now + timeout_s
+            deadline = (now if arrival is None else arrival) + timeout_s
+            if deadline <= now:  # spent before the handler ran (reading the body, a busy loop)
+                raise DeadlineExceeded(
+                    f"request deadline already passed on arrival at '{self.label}'"
+                )
             handler = self._engine.handler
             arrays, predicted = await self._preprocess(request, now, deadline, pre)
             size, key = self._batch_of(arrays, pre)
