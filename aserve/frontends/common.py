@@ -10,7 +10,11 @@
   ``-1``, text) is refused with :class:`InvalidArgument` naming the field:
   "no deadline" is not a deadline, and a request nobody bounds would hold its
   queue slot forever. (Body parameters are parsed where the body is decoded,
-  by :func:`aserve.codecs.timeouts.parameter_timeout_s`.)
+  by :func:`aserve.codecs.timeouts.parameter_timeout_s`.) The timeout counts
+  from the request's arrival, which the frontend hands ``Runtime.infer``:
+  when its first bytes were read (HTTP: the app's connection protocol; gRPC:
+  :mod:`aserve.frontends.grpc.arrival`), so the time before its handler ran
+  is spent from it.
 - :class:`admit_and_count`: admission (:class:`Admission`,
   ``limits.max_concurrency``: how many inference requests both frontends
   serve at once; over it, refused at once with QueueFull, nothing parked)
@@ -152,10 +156,11 @@ def resolve_deadline(
     default_s: float,
     max_s: float,
 ) -> float:
-    """The request's timeout in seconds: the earliest of the ``aserve-timeout-ms``
-    ``header`` (its raw value), the body's ``parameter_s`` and the gRPC call's
-    ``call_s`` (``time_remaining()``; it may be <= 0 once passed, which the
-    batcher answers DEADLINE_EXCEEDED), each None when not given, else
+    """The request's timeout in seconds from its arrival: the earliest of the
+    ``aserve-timeout-ms`` ``header`` (its raw value), the body's ``parameter_s``
+    and the gRPC call's ``call_s`` (its deadline from the arrival,
+    :func:`aserve.frontends.grpc.arrival.call_budget`; a deadline already passed
+    is answered DEADLINE_EXCEEDED by the runtime), each None when not given, else
     ``default_s`` (the model's); at most ``max_s`` (``limits.max_timeout_ms``)."""
     timeout = default_s
     if header is not None or parameter_s is not None or call_s is not None:

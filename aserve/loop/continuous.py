@@ -276,14 +276,20 @@ class ContinuousBatcher:
         prompt_tokens: int,
         timeout_s: float,
         client_id: str | None = None,
+        *,
+        arrival: float | None = None,
     ) -> GenerationRequest:
-        """Queue a prepared sequence, or raise at once (QueueFull / Unavailable)."""
+        """Queue a prepared sequence, or raise at once (QueueFull / Unavailable /
+        DeadlineExceeded). Its deadline is ``arrival`` (when the frontend read its
+        first bytes; None: now) + ``timeout_s``; the request's own ``arrival``
+        is now, when it joins the queue (its statistics count from there)."""
         self.check_room()
         now = self._clock()
+        deadline = (now if arrival is None else arrival) + timeout_s
+        if deadline <= now:  # spent before it came here
+            raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
         channel = TokenChannel(self.buffer_chunks, on_resume=self._kick)
-        req = GenerationRequest(
-            self, sequence, prompt_tokens, now, now + timeout_s, channel, client_id
-        )
+        req = GenerationRequest(self, sequence, prompt_tokens, now, deadline, channel, client_id)
         bisect.insort(self._waiting, req)
         self._kick()
         return req

@@ -35,6 +35,7 @@ from aserve.frontends.common import (
     resolve_deadline,
     track_grpc,
 )
+from aserve.frontends.grpc.arrival import call_budget
 from aserve.frontends.grpc.calls import end_call
 from aserve.frontends.status import GRPC_STATUS, OK
 from aserve.loop.prompt_size import check_prompt_size
@@ -90,14 +91,11 @@ class GenerationServicer(apb_grpc.GenerationServicer):
                         _sampling(request.sampling), prompt, messages, request.id or None
                     )
                     own = request.timeout_ms / 1e3 if request.timeout_ms else None  # 0: unset
+                    arrival, budget = call_budget(context)
                     timeout = resolve_deadline(
-                        None,
-                        own,
-                        context.time_remaining(),
-                        runtime.default_timeout_s,
-                        self._max_timeout_s,
+                        None, own, budget, runtime.default_timeout_s, self._max_timeout_s
                     )
-                    req = runtime.generate(seq, timeout, request.id or None)
+                    req = runtime.generate(seq, timeout, request.id or None, arrival=arrival)
                 except Exception as exc:  # CancelledError is not an Exception: it propagates
                     call.status, code, message = _status(exc, "Generate")
                     end_call(context, code, message)

@@ -8,7 +8,8 @@ naming the field or tensor; on ModelStreamInfer they travel per request in
 
 Deadlines and cancellation: the request's timeout is the earlier of the
 call's deadline and its ``timeout_ms`` / ``timeout`` parameter, else the
-model's default (:func:`aserve.frontends.common.resolve_deadline`). A client
+model's default (:func:`aserve.frontends.common.resolve_deadline`), counted
+from when the call arrived (:mod:`aserve.frontends.grpc.arrival`). A client
 that cancels, or whose deadline passes, makes grpc.aio cancel the handler;
 the request then leaves its queue.
 """
@@ -38,6 +39,7 @@ from aserve.frontends.common import (
     resolve_deadline,
     track_grpc,
 )
+from aserve.frontends.grpc.arrival import call_budget
 from aserve.frontends.grpc.calls import end_call
 from aserve.frontends.grpc.generate import answer_decoupled
 from aserve.frontends.model_config import triton_config_message
@@ -164,9 +166,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # --- inference ------------------------------------------------------------
 
     async def _infer(
-        self, request: pb.ModelInferRequest, deadline_s: float | None
+        self, request: pb.ModelInferRequest, deadline_s: float | None, arrival: float | None
     ) -> pb.ModelInferResponse:
-        """Run one request; ``deadline_s`` is the seconds the call has left, if bounded."""
+        """Run one request that arrived at ``arrival`` (None: now); ``deadline_s`` is
+        the call's deadline in seconds from then, if bounded."""
         runtime = self._runtime(request.model_name, request.model_version)
         decoded = decode_infer_request(
             request,
@@ -192,6 +195,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             timeout,
             decoded.client_id,
             decoded.parameters,
+            arrival=arrival,
         )
         return encode_infer_response(
             runtime.name, runtime.version, decoded, outputs, runtime.output_specs
@@ -212,7 +216,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             served = functools.partial(self._served, request)
             gate = functools.partial(self._calls.admit, context)
             with admit_and_count(self._ctx, "grpc", served, gate):
-                return await self._infer(request, context.time_remaining())
+                arrival, budget = call_budget(context)
+                return await self._infer(request, budget, arrival)
         except Exception as exc:  # CancelledError is not an Exception: it propagates
             error = as_error(exc, "ModelInfer", request.id)
         end_call(context, GRPC_STATUS[error.code], error.message)
@@ -310,7 +315,10 @@ class _Stream:
                         self._servicer._max_timeout_s,
                     )  # fmt: skip
                     return
-                response = await self._servicer._infer(request, self._context.time_remaining())
+                # Counted from now: it was read just now, long after the call began.
+                response = await self._servicer._infer(
+                    request, self._context.time_remaining(), None
+                )
         except Exception as exc:  # CancelledError (the stream is going away) propagates
             error = as_error(exc, "ModelStreamInfer", request.id)
             failed = pb.ModelInferResponse(

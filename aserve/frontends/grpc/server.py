@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from aserve._proto import aserve_pb2_grpc
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
+from aserve.frontends.grpc.arrival import ArrivalInterceptor
 from aserve.frontends.grpc.auth import GrpcAuthInterceptor, grpc_server_credentials
 from aserve.frontends.grpc.calls import InFlight
 from aserve.frontends.grpc.generate import SERVICE_NAME as GENERATION_SERVICE
@@ -90,7 +91,8 @@ class GrpcFrontend:
     async def start(self) -> None:
         config = self._ctx.config
         limits = config.limits
-        interceptors = []
+        # First: the time a call arrived is noted before anything else runs for it.
+        interceptors: list[grpc.aio.ServerInterceptor] = [ArrivalInterceptor()]
         if self._ctx.api_keys is not None:
             assert config.auth is not None
             interceptors.append(GrpcAuthInterceptor(self._ctx.api_keys, config.auth.open_paths))

@@ -19,9 +19,13 @@ import functools
 import gzip
 import logging
 import zlib
+from collections import deque
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server
 
 from aserve import __version__
 from aserve.codecs.timeouts import header_timeout_s
@@ -36,6 +40,7 @@ from aserve.frontends.http.dashboard import add_dashboard_routes
 from aserve.frontends.http.drain import IdleCloser, take_queued
 from aserve.frontends.http.generate import add_generate_routes
 from aserve.frontends.http.kit import (
+    ARRIVAL_KEY,
     CLOSE_AFTER_KEY,
     JSON,
     REQUEST_ID_KEY,
@@ -91,6 +96,91 @@ BODY_TIMEOUT_KEY = web.AppKey("aserve_body_timeout_s", float)
 _json = json_response
 
 
+# --- when each request arrived --------------------------------------------------
+#
+# A request's deadline counts from when its first bytes were read (the README's
+# "Batching, deadlines and admission"), not from when its handler runs: in a retry
+# storm the wait between the two (the loop's backlog, the requests ahead on a
+# pipelined connection, a body still arriving) was what made admitted requests
+# late. aiohttp keeps no such time, and has no setting for its protocol's class,
+# so the server's protocol is aiohttp's own, its data_received noting the time.
+
+_parse = RequestHandler.data_received  # called directly: no super() object per chunk
+
+
+class _StampingHandler(RequestHandler):
+    """aiohttp's protocol of one connection that also notes when each request's
+    first bytes were read (``time.monotonic()``), as ``request[ARRIVAL_KEY]`` of
+    the request it makes: one float per request.
+
+    A request's first bytes are its head's: the first chunk of a head read in
+    several, or the chunk that holds it when the bytes before it in that chunk
+    end the body of the request before (a pipelined request). Where a chunk
+    cannot tell (the rest of a body, then a head that goes on in the next
+    chunk), the later time is taken: a stamp may be late, as every stamp was
+    before, but never early, so no request is refused for time it did not spend.
+    """
+
+    __slots__ = ("_body", "_first", "_head_since", "_made", "_make", "_stamps")
+
+    def __init__(self, manager: Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        # The stamps of the requests parsed and not made yet, in order; _first is
+        # the connection's count (aiohttp's _request_count) of the first of them.
+        self._stamps: deque[float] = deque()
+        self._first = 1
+        self._made = 0  # requests made on this connection
+        self._head_since: float | None = None  # when a head not complete yet began
+        self._body: Any = None  # the payload of the last head parsed
+        self._make = self._request_factory
+        # A plain function, handed this protocol: a bound method would be a cycle.
+        self._request_factory = _StampingHandler._stamped
+
+    def data_received(self, data: bytes) -> None:
+        now = monotonic()
+        body = self._body
+        # With the last body complete, these bytes begin a head or go on with one;
+        # else they go on with that body, and a head they hold begins in them.
+        between = body is None or body.is_eof()
+        since = self._head_since if between and self._head_since is not None else now
+        before = self._request_count
+        _parse(self, data)
+        parsed = self._request_count - before
+        if parsed:
+            stamps = self._stamps
+            if not stamps:
+                self._first = before + 1
+            stamps.append(since)
+            for _ in range(parsed - 1):  # pipelined behind the first, in this chunk
+                stamps.append(now)
+            self._body = self._messages[-1][1]
+            self._head_since = None
+        elif between and data:
+            self._head_since = since
+
+    @staticmethod
+    def _stamped(
+        message: Any, payload: Any, protocol: _StampingHandler, writer: Any, task: Any
+    ) -> web.BaseRequest:
+        """aiohttp's request factory, the request given its stamp (the next, in order)."""
+        request = protocol._make(message, payload, protocol, writer, task)
+        made = protocol._made = protocol._made + 1
+        stamps = protocol._stamps
+        if stamps and protocol._first == made:
+            protocol._first = made + 1
+            request[ARRIVAL_KEY] = stamps.popleft()
+        else:  # parsed where data_received did not see it (behind a declined upgrade)
+            request[ARRIVAL_KEY] = monotonic()
+        return request
+
+
+class _StampingServer(Server):
+    """aiohttp's server, its connections' protocol :class:`_StampingHandler`."""
+
+    def __call__(self) -> RequestHandler:
+        return _StampingHandler(self, loop=self._loop, **self._kwargs)
+
+
 class HttpFrontend:
     def __init__(self, ctx: FrontendContext) -> None:
         self._ctx = ctx
@@ -144,6 +234,9 @@ class HttpFrontend:
             fds_in_use=in_use,
         )
         assert self._runner.server is not None
+        # aiohttp's server makes each connection's protocol in __call__: this one's
+        # are to note when each request arrived (_StampingHandler).
+        self._runner.server.__class__ = _StampingServer
         self.connections.install(self._runner.server)
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(accept_error_handler(loop.get_exception_handler()))
@@ -416,6 +509,7 @@ class HttpFrontend:
             timeout,
             decoded.client_id,
             decoded.parameters,
+            arrival=request[ARRIVAL_KEY],
         )
         payload, json_length = encode_response(
             runtime.name, runtime.version, decoded, outputs, runtime.output_specs

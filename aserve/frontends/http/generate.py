@@ -29,7 +29,13 @@ from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.validate import request_timeout
 from aserve.errors import AserveError, ErrorCode, InvalidArgument
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
-from aserve.frontends.http.kit import RUNTIME_KEY, STATUS_KEY, RouteKit, error_response
+from aserve.frontends.http.kit import (
+    ARRIVAL_KEY,
+    RUNTIME_KEY,
+    STATUS_KEY,
+    RouteKit,
+    error_response,
+)
 from aserve.frontends.http.stream import json_stream
 from aserve.loop.prompt_size import body_limit
 from aserve.loop.runtimes.generation import generation_runtime
@@ -93,7 +99,7 @@ class TritonGenerate:
         )
         sampling = sampling_from_parameters(params)
         seq = await runtime.prepare(sampling, prompt=prompt, client_id=client_id)
-        req = runtime.generate(seq, timeout, client_id)
+        req = runtime.generate(seq, timeout, client_id, arrival=request[ARRIVAL_KEY])
         head = {"model_name": runtime.name, "model_version": runtime.version}
         if client_id is not None:
             head = {"id": client_id, **head}

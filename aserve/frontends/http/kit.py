@@ -10,7 +10,8 @@ functions, and they find the server's state in the
 An inference handler stores the runtime that serves it in
 ``request[RUNTIME_KEY]`` (what it is counted under); a streamed response that
 failed after its first byte says so in ``request[STATUS_KEY]``, since its HTTP
-status was already 200.
+status was already 200. Every request comes with ``request[ARRIVAL_KEY]``, the
+time its first bytes were read, for ``Runtime.infer``'s ``arrival``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ STATUS_KEY: Final = web.RequestKey("aserve_status", str)  # a failed stream's er
 REQUEST_ID_KEY: Final = web.RequestKey("aserve_request_id", str)
 # On a request: its connection closes after the answer.
 CLOSE_AFTER_KEY: Final = web.RequestKey("aserve_close_after", bool)
+# On every request: the time.monotonic() its first bytes were read, which its
+# deadline counts from (set by the app's connection protocol).
+ARRIVAL_KEY: Final = web.RequestKey("aserve_arrival", float)
 JSON: Final = "application/json"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

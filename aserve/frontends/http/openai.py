@@ -43,7 +43,13 @@ from aiohttp import web
 from aserve.codecs.timeouts import parameter_timeout_s
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
-from aserve.frontends.http.kit import RUNTIME_KEY, STATUS_KEY, RouteKit, json_response
+from aserve.frontends.http.kit import (
+    ARRIVAL_KEY,
+    RUNTIME_KEY,
+    STATUS_KEY,
+    RouteKit,
+    json_response,
+)
 from aserve.frontends.http.openai_fields import (
     FieldError,
     check_fields,
@@ -214,7 +220,7 @@ class OpenAIApi:
                 runtime.default_timeout_s,
                 self._max_timeout_s,
             )
-            req = runtime.generate(seq, timeout)
+            req = runtime.generate(seq, timeout, arrival=request[ARRIVAL_KEY])
         except AserveError as exc:
             return error_response(exc)
         prefix = "chatcmpl-" if chat else "cmpl-"

@@ -37,7 +37,7 @@ from aserve.engines.python_handler import Part
 from aserve.errors import AserveError, InvalidArgument, TooLarge
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline
 from aserve.frontends.http.bodies import SpooledBody, read_back
-from aserve.frontends.http.kit import RUNTIME_KEY, RouteKit, error_response
+from aserve.frontends.http.kit import ARRIVAL_KEY, RUNTIME_KEY, RouteKit, error_response
 from aserve.frontends.http.multipart import split_parts
 from aserve.loop.runtimes.handler import HandlerRuntime
 from aserve.types.text import utf8_safe
@@ -118,7 +118,9 @@ class Predictions:
         query: dict[str, str] = {}
         for k, v in request.query.items():  # a repeated name: its first value, as dict() takes
             query.setdefault(utf8_safe(k), utf8_safe(v))
-        answer, answer_type = await runtime.infer_raw(body, content_type, timeout, None, query)
+        answer, answer_type = await runtime.infer_raw(
+            body, content_type, timeout, None, query, arrival=request[ARRIVAL_KEY]
+        )
         return web.Response(body=answer, headers={hdrs.CONTENT_TYPE: answer_type})
 
 

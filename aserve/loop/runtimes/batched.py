@@ -279,8 +279,9 @@ class ModelRuntime(Runtime):
         running for it finishes, and its answer is dropped.
         """
         now = time.monotonic()
+        since = now if arrival is None else arrival  # what the deadline counts from
         req = InferenceRequest(
-            inputs, batch_size, shape_key, now, (now if arrival is None else arrival) + timeout_s,
+            inputs, batch_size, shape_key, now, since + timeout_s,
             asyncio.get_running_loop().create_future(), client_id, parameters,
         )  # fmt: skip
         reason = self.not_ready_reason()
@@ -292,7 +293,7 @@ class ModelRuntime(Runtime):
             req.level = level = batcher.level_of(priority_of(parameters))
             if batcher.leveled:  # the level's queue policy may set its timeout
                 timeout = batcher.timeout_at(level, timeout_s, self.default_timeout_s)
-                req.deadline = arrival + timeout
+                req.deadline = since + timeout
         batcher.submit(req)
         try:
             return await req.future

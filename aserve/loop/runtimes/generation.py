@@ -253,19 +253,27 @@ class GenerationRuntime(Generator):
         return self._engine.new_sequence(client_id or "", prompt, params)
 
     def generate(
-        self, sequence: EngineSequence, timeout_s: float | None = None, client_id: str | None = None
+        self,
+        sequence: EngineSequence,
+        timeout_s: float | None = None,
+        client_id: str | None = None,
+        *,
+        arrival: float | None = None,
     ) -> GenerationRequest:
         """Queue a prepared sequence: its stream, or a refusal at once
         (QueueFull when ``generation.max_queue_size`` are waiting, Unavailable
-        when the model is not loaded). While the step process restarts the
-        model reports not ready, but a request still queues for the new one,
-        bounded by its deadline and the queue's size."""
+        when the model is not loaded, DeadlineExceeded when its deadline,
+        counted from ``arrival``, passed already). While the step process
+        restarts the model reports not ready, but a request still queues for
+        the new one, bounded by its deadline and the queue's size."""
         if self.state is not ModelState.READY or self.batcher is None:
             raise Unavailable(not_ready(self.label, self.state.value))
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if self._check is not None:
             self._check(sequence)
-        return self.batcher.submit(sequence, len(sequence.prompt_ids), timeout, client_id)
+        return self.batcher.submit(
+            sequence, len(sequence.prompt_ids), timeout, client_id, arrival=arrival
+        )
 
     def end_streams(self) -> None:
         """End every queued and running stream as unavailable; refuse new ones."""
@@ -280,12 +288,14 @@ class GenerationRuntime(Generator):
         timeout_s: float,
         client_id: str | None = None,
         parameters: dict[str, Any] | None = None,
+        *,
+        arrival: float | None = None,
     ) -> dict[str, np.ndarray]:
         """KServe inference: the whole generation for ``text_input`` as ``text_output``."""
         params = sampling_from_parameters(parameters)
         prompt = text_input(inputs, self.generation.prompt_bytes_limit)
         seq = await self.prepare(params, prompt=prompt, client_id=client_id)
-        async with self.generate(seq, timeout_s, client_id) as req:
+        async with self.generate(seq, timeout_s, client_id, arrival=arrival) as req:
             text, _ = await req.collect()
         return {TEXT_OUTPUT: text_tensor(text)}
 

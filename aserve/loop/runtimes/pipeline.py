@@ -131,12 +131,15 @@ class PipelineRuntime(Runtime):
         timeout_s: float,
         client_id: str | None = None,
         parameters: dict[str, Any] | None = None,
+        *,
+        arrival: float | None = None,
     ) -> dict[str, np.ndarray]:
-        """Run the steps in order; a failing step fails the request with its error."""
+        """Run the steps in order; a failing step fails the request with its error.
+        The deadline, ``arrival`` (None: now) + ``timeout_s``, covers them all."""
         self.require_ready()
         self.inflight += 1
         start = time.monotonic()
-        deadline = start + timeout_s
+        deadline = (start if arrival is None else arrival) + timeout_s
         try:
             tensors = dict(inputs)
             for index, step in enumerate(self.config.steps):
