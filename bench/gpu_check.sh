@@ -2,9 +2,10 @@
 # One prepared GPU check for aserve: detect the GPU, run the GPU-marked tests, measure the
 # bench MLP through aserve on cuda:0 (torch with 1/2/4 instances and CUDA graphs, onnxruntime's
 # CUDA provider, TensorRT fp32/fp16), serve a built engine as a .plan with `aserve serve`
-# (tensors read from the engine), and write a Markdown report.
+# (tensors read from the engine), run the many-models benches on cuda:0 (a shared device against
+# independent instances, priority levels), and write a Markdown report.
 #
-#   bench/gpu_check.sh                  # run the check (about 5-8 minutes on a GPU)
+#   bench/gpu_check.sh                  # run the check (about 8-11 minutes on a GPU)
 #   bench/gpu_check.sh --fetch-wheels   # here, with PyPI: wheels for a GPU box without them
 #
 # Without a GPU it runs what it can (the tests' CPU-side skips, CPU smoke rows of the harness),
@@ -140,6 +141,20 @@ if [ -f "$REPORT" ] && [ -f "$WORK/plan_serve.json" ]; then
     echo '```'; } >> "$REPORT"
 fi
 
+say "many models on one device: shared against independent, priority levels (cuda:0)"
+SHARED_RC=0
+if [ "$MODE" = gpu ]; then
+  timeout 420 "$PY" -m bench.shared_device --device cuda:0 --duration "${DURATION:-5}" \
+    --json "$WORK/shared-device.json" 2>&1 | tee "$WORK/shared-device.md"
+  SHARED_RC=${PIPESTATUS[0]}
+  if [ -f "$REPORT" ]; then
+    { echo; echo "## Many models on one device (bench.shared_device --device cuda:0)"; echo
+      grep '^|\|^Capacity\|^In-process' "$WORK/shared-device.md"; } >> "$REPORT"
+  fi
+else
+  echo "skipped: no CUDA device (python -m bench.shared_device runs the CPU version)"
+fi
+
 say "report: $REPORT"
 if [ -f "$REPORT" ]; then cat "$REPORT"; fi
 if [ "$MODE" = cpu ]; then
@@ -151,8 +166,11 @@ if [ "$MODE" = cpu ]; then
   echo "- throughput rows on cuda:0: torch x1/x2/x4, CUDA graphs, onnx CUDA provider, TensorRT"
   echo "  (see 'Skipped' in the report; the CPU smoke rows only show the harness works)"
   echo "- aserve serve on a TensorRT .plan reading its tensors from the engine"
+  echo "- many models on one device (bench.shared_device --device cuda:0)"
 fi
-echo "gpu_check: tests exit $TESTS_RC, bench exit $BENCH_RC, plan serve exit $PLAN_RC"
+echo "gpu_check: tests exit $TESTS_RC, bench exit $BENCH_RC, plan serve exit $PLAN_RC," \
+  "shared device exit $SHARED_RC"
 [ "$TESTS_RC" -eq 0 ] || [ "$TESTS_RC" -eq 5 ] || exit 1
 [ "$PLAN_RC" -eq 0 ] || exit 1
+[ "$SHARED_RC" -eq 0 ] || exit 1
 exit "$BENCH_RC"
