@@ -501,7 +501,8 @@ class Batcher:
         if queued_items + ahead_items > 0 and not fresh:
             finish = now + (finish - now) * self.margin.factor
         # The loop's own lag, once: the answer waits in it before it is written. The
-        # wait before this handler ran is behind us, and the deadline starts here.
+        # wait before this handler ran is already spent from the deadline (it counts
+        # from the request's first bytes).
         lag = self._lag.recent
         finish += lag
         if finish > deadline:
