@@ -35,7 +35,7 @@ def test_server_and_model_metadata(grpc_client):
     assert "statistics" in meta.extensions
     model = grpc_client.get_model_metadata("pair", as_json=True)
     assert model["name"] == "pair" and model["versions"] == ["1"]
-    assert model["platform"] == "pytorch_torchscript"
+    assert model["platform"] == "pytorch_export"  # a torch.export program (.pt2)
     # int64 fields are strings in protobuf's JSON form.
     assert model["inputs"] == [
         {"name": "A", "datatype": "FP32", "shape": ["-1", "8"]},

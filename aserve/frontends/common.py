@@ -26,6 +26,8 @@
 - The names both frontends use: :data:`TIMEOUT_HEADER`, :data:`FINAL` and
   :data:`EMPTY_FINAL` (Triton's decoupled flags), :func:`as_error`,
   :func:`bool_parameter`, :func:`usage` and the :data:`Route` alias.
+- :func:`model_metadata` and :func:`model_listing`: what both frontends say
+  of the models routed.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from aserve.obs.stats import LATENCY_BUCKETS_S, Histogram
 if TYPE_CHECKING:
     from aserve._proto import grpc_service_pb2 as pb
     from aserve.frontends.context import FrontendContext
+    from aserve.loop.registry import ModelRegistry
+    from aserve.loop.runtimes.base import Runtime
     from aserve.types.generation import Delta
 
 log = logging.getLogger("aserve.frontends")
@@ -248,6 +252,23 @@ def bool_parameter(request: pb.ModelInferRequest, key: str) -> bool:
         and param.WhichOneof("parameter_choice") == "bool_param"
         and param.bool_param
     )
+
+
+def model_metadata(registry: ModelRegistry, runtime: Runtime) -> dict[str, Any]:
+    """KServe's model metadata of ``runtime``, its ``versions`` every routed
+    version of the model (the ones a request may name), whichever was asked."""
+    return {**runtime.metadata(), "versions": registry.versions(runtime.name)}
+
+
+def model_listing(registry: ModelRegistry) -> list[dict[str, Any]]:
+    """Every routed model version with its state (``GET /v2/models``): what an
+    inference key may reach. The config's models that are not routed (unloaded,
+    failed) are the repository index's, an admin's."""
+    return [
+        {"name": rt.name, "version": rt.version, "state": rt.state.value,
+         "platform": rt.metadata().get("platform", "")}
+        for rt in sorted(registry, key=lambda rt: (rt.name, int(rt.version)))
+    ]  # fmt: skip
 
 
 def usage(delta: Delta | None) -> dict[str, int]:

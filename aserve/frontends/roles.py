@@ -44,6 +44,7 @@ HTTP_ROUTES: Final[Mapping[str, Role]] = {
     "/v2/health/ready": _I,
     "/v2": _I,
     "/v2/": _I,
+    "/v2/models": _I,
     "/v2/models/stats": _I,
     **{f"/v2/models/{{model}}{tail}": _I for tail in _MODEL_ROUTES},
     **{f"/v2/models/{{model}}/versions/{{version}}{tail}": _I for tail in _MODEL_ROUTES},

@@ -32,7 +32,14 @@ from aserve.codecs.timeouts import header_timeout_s
 from aserve.codecs.v2 import decode_request, encode_response, json_object
 from aserve.codecs.validate import same_io
 from aserve.errors import AserveError, InvalidArgument, RequestTimeout, TooLarge, Unavailable
-from aserve.frontends.common import TIMEOUT_HEADER, admit_and_count, request_id, resolve_deadline
+from aserve.frontends.common import (
+    TIMEOUT_HEADER,
+    admit_and_count,
+    model_listing,
+    model_metadata,
+    request_id,
+    resolve_deadline,
+)
 from aserve.frontends.http.admin import add_admin_routes
 from aserve.frontends.http.auth import http_middleware, server_ssl_context
 from aserve.frontends.http.bodies import BodyBudget, SpooledBody, read_back, read_spooled
@@ -324,6 +331,7 @@ class HttpFrontend:
         route("GET", "/v2/health/ready", self._ready)
         route("GET", "/v2", self._server_metadata)
         route("GET", "/v2/", self._server_metadata)
+        route("GET", "/v2/models", self._models)
         route("GET", "/v2/models/stats", self._stats)
         # Every route under /v2/models/{model} is tried in the order added: infer,
         # the one that carries the load, first.
@@ -428,9 +436,12 @@ class HttpFrontend:
 
     async def _model_metadata(self, request: web.Request) -> web.Response:
         try:
-            return _json(self._runtime(request).metadata())
+            return _json(model_metadata(self._ctx.registry, self._runtime(request)))
         except AserveError as exc:
             return error_response(exc)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return _json({"models": model_listing(self._ctx.registry)})
 
     async def _model_config(self, request: web.Request) -> web.Response:
         try:

@@ -195,6 +195,7 @@ def build_document() -> dict[str, Any]:
         "/v2/health/live": {"get": _op("Liveness")},
         "/v2/health/ready": {"get": _op("Readiness (503 when not ready)")},
         "/v2": {"get": _op("Server metadata")},
+        "/v2/models": {"get": _op("Every model version served, with its state and platform")},
         "/v2/models/stats": {"get": _op("Statistics of every model")},
         "/v2/config/status": {"get": _op("The config in force and the last reload")},
         "/v2/repository/index": {"post": _op("Every model of the config, with its state")},

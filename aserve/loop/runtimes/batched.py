@@ -347,7 +347,7 @@ class ModelRuntime(Runtime):
             self.batcher.share(device)
 
     def metadata(self) -> dict[str, Any]:
-        return tensor_metadata(self, PLATFORMS[self.config.engine])
+        return tensor_metadata(self, platform_of(self.config))
 
     def triton_config(self) -> dict[str, Any]:
         """Settings with no Triton field go in ``parameters`` as strings."""
@@ -405,6 +405,15 @@ class Reservation:
         self._batcher.release(self._items)
 
 
+def platform_of(config: ModelConfig) -> str:
+    """The model's platform, as metadata and its Triton config name it: Triton's
+    names, and for a ``torch.export`` program (``.pt2``, which Triton has no
+    name for) ``pytorch_export`` rather than TorchScript's."""
+    if config.engine == "torch" and config.path is not None and config.path.endswith(".pt2"):
+        return "pytorch_export"
+    return PLATFORMS[config.engine]
+
+
 def tensor_metadata(runtime: Runtime, platform: str) -> dict[str, Any]:
     """KServe's metadata of a model of tensors (every one but a decoder's)."""
     return {
@@ -421,7 +430,7 @@ def tensor_triton_config(runtime: Runtime) -> dict[str, Any]:
     engine = runtime.config.engine
     return {
         "name": runtime.name,
-        "platform": PLATFORMS[engine],
+        "platform": platform_of(runtime.config),
         "backend": BACKENDS[engine],
         "max_batch_size": runtime.config.batching.max_batch_size,
         "input": [_config_tensor(s) for s in runtime.input_specs.values()],
