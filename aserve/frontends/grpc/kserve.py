@@ -36,6 +36,7 @@ from aserve.frontends.common import (
     admit_and_count,
     as_error,
     bool_parameter,
+    model_metadata,
     resolve_deadline,
     track_grpc,
 )
@@ -124,8 +125,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Any
     ) -> pb.ModelMetadataResponse:
+        runtime = self._runtime(request.name, request.version)
         return json_format.ParseDict(
-            self._runtime(request.name, request.version).metadata(), pb.ModelMetadataResponse()
+            model_metadata(self._ctx.registry, runtime), pb.ModelMetadataResponse()
         )
 
     @_unary
