@@ -187,7 +187,10 @@ class Server:
         if self.grpc is not None:
             await self.grpc.update_health()
         self.reloader.start()
-        log.info("ready: %d model(s) serving", len(self.registry))
+        await self.registration.refresh()  # ps says ready now, not at its next look
+        log.info(
+            "ready: %d model(s) serving; dashboard: %s", len(self.registry), self.http.dashboard_url
+        )
 
     async def _listen(self) -> None:
         """Bind and keep every listening socket before any model loads: an address in

@@ -151,8 +151,33 @@ def test_runtime_dir_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
     assert runtime_dir.runtime_dir() == tmp_path / "xdg" / "aserve"
     monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setenv("ASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert runtime_dir.runtime_dir() == tmp_path / "cache" / "run"  # it follows the cache
+    monkeypatch.delenv("ASERVE_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert runtime_dir.runtime_dir() == tmp_path / "home" / ".cache" / "aserve" / "run"
+
+
+def test_the_entry_says_ready_once_the_log_does(model_dir: Path, tmp_path: Path) -> None:
+    """No look a poll later: the entry is written before the "ready" log line,
+    which also names the dashboard."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path, {"models": [
+        model_entry("affine", str(model_dir / "affine.pt"),
+                    [spec("INPUT0", "FP32", [16])], [spec("OUTPUT0", "FP32", [16])]),
+    ]})  # fmt: skip
+    srv = start_server(config, extra_env={"ASERVE_RUNTIME_DIR": str(run_dir)})
+    try:
+        deadline = time.monotonic() + 60
+        while "ready: 1 model(s) serving" not in srv.log_text():
+            assert time.monotonic() < deadline, srv.log_text()
+            time.sleep(0.05)
+        assert f"dashboard: http://127.0.0.1:{srv.port}/" in srv.log_text()
+        entry = by_pid(runtime_dir.live_entries(run_dir).entries)[srv.proc.pid]
+        assert entry["state"] == "ready"
+        assert entry["models"] == [{"name": "affine", "version": "1", "state": "READY"}]
+    finally:
+        srv.stop()
 
 
 def test_a_server_is_listed_while_its_models_load(tmp_path: Path) -> None:

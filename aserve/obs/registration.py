@@ -68,6 +68,9 @@ class Registration:
         self._file_lock = threading.Lock()
         self._closed = False
         self._published = False
+        # One write at a time, in the order their snapshots were taken: a refresh()
+        # beside the poll must not let an older snapshot land last.
+        self._writing: asyncio.Lock | None = None
 
     def snapshot(self) -> dict[str, Any]:
         """What the entry says now (on the loop: the listing reads the registry)."""
@@ -100,22 +103,32 @@ class Registration:
         await self._write_if_changed()
         self._task = asyncio.create_task(self._refresh(), name="aserve-registration")
 
+    async def refresh(self) -> None:
+        """Write the entry now if what it says changed, not at the next look: the
+        server just became ready, and ``aserve ps`` run after its first answer
+        must not say it is loading."""
+        if self._published:
+            await self._write_if_changed()
+
     async def _refresh(self) -> None:
         while True:
             await asyncio.sleep(POLL_S)
             await self._write_if_changed()
 
     async def _write_if_changed(self) -> None:
-        snap = self.snapshot()
-        if snap == self._last:
-            return
-        self._last = snap
-        try:
-            await asyncio.to_thread(self._write_threadsafe, snap)
-            self._written = True
-        except OSError as exc:  # ps will not list this server; serving goes on
-            if not self._written:
-                log.warning("cannot register in %s (aserve ps): %s", self._folder, exc)
+        if self._writing is None:
+            self._writing = asyncio.Lock()
+        async with self._writing:
+            snap = self.snapshot()
+            if snap == self._last:
+                return
+            self._last = snap
+            try:
+                await asyncio.to_thread(self._write_threadsafe, snap)
+                self._written = True
+            except OSError as exc:  # ps will not list this server; serving goes on
+                if not self._written:
+                    log.warning("cannot register in %s (aserve ps): %s", self._folder, exc)
 
     async def close(self) -> None:
         """Stop refreshing and remove the entry."""

@@ -35,6 +35,8 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from aserve.config.paths import cache_dir
+
 ENV = "ASERVE_RUNTIME_DIR"
 # An entry is a few hundred bytes plus ~80 per model: 1 MiB is some 10,000 models.
 MAX_ENTRY_BYTES = 1 << 20
@@ -80,12 +82,14 @@ class Listing:
 
 
 def runtime_dir() -> Path:
-    """``$ASERVE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/aserve``, else ``~/.cache/aserve/run``."""
+    """``$ASERVE_RUNTIME_DIR``, else ``$XDG_RUNTIME_DIR/aserve``, else ``run`` in the
+    cache directory (``$ASERVE_CACHE_DIR``, else ``~/.cache/aserve``): a user who
+    moves the cache moves the registry with it."""
     if os.environ.get(ENV):
         return Path(os.environ[ENV])
     if os.environ.get("XDG_RUNTIME_DIR"):
         return Path(os.environ["XDG_RUNTIME_DIR"]) / "aserve"
-    return Path.home() / ".cache" / "aserve" / "run"
+    return cache_dir() / "run"
 
 
 def process_start_time(pid: int) -> str | None:

@@ -261,6 +261,16 @@ class HttpFrontend:
             scheme = "http" if ssl_context is None else "https"
             log.info("HTTP (KServe V2 REST) listening on %s://%s:%d", scheme, host, port)
 
+    @property
+    def dashboard_url(self) -> str:
+        """Where the dashboard is (the first address bound), as the startup log names it."""
+        host, port = self.addresses[0]
+        if host in ("0.0.0.0", "::"):  # every interface: this machine's own name reaches it
+            host = "localhost"
+        elif ":" in host:
+            host = f"[{host}]"
+        return f"{'http' if self._ssl_context is None else 'https'}://{host}:{port}/"
+
     async def close_listeners(self) -> None:
         """Stop accepting; from now on every answer closes its connection.
 
