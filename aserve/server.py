@@ -267,7 +267,11 @@ class Server:
             self.stop_deadline.exit_now(
                 f"second {sig.name}: stopping without waiting for in-flight requests"
             )
-        log.info("%s received: draining", sig.name)
+        again = (
+            "press Ctrl-C again to stop now" if sig is signal.SIGINT
+            else f"a second {sig.name} stops now"
+        )  # fmt: skip
+        log.info("%s received: draining (%s)", sig.name, again)
         self._arm_stop_deadline_threadsafe()
 
     def _arm_stop_deadline_threadsafe(self) -> None:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import model_entry, spec, write_config
+from conftest import model_entry, spec, start_server, write_config
 
 from aserve.server import STOP_MARGIN_S
 from aserve.workers.last_resort import EXIT_FORCED
@@ -101,3 +101,26 @@ def test_a_second_sigterm_ends_a_server_whose_loop_is_stuck_at_once(
     log = "".join(lines)
     assert status == EXIT_FORCED, log
     assert "second SIGTERM: stopping without waiting for in-flight requests" in log
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_says_a_second_one_stops_now_and_it_does(model_dir: Path, tmp_path: Path) -> None:
+    """A live server in its drain grace (30 s): the first SIGINT's log line says what a
+    second does, and the second ends it at once, long before the grace is over."""
+    entry = model_entry("affine", str(model_dir / "affine.pt"), [spec("INPUT0", "FP32", [16])],
+                        [spec("OUTPUT0", "FP32", [16])])  # fmt: skip
+    config = write_config(tmp_path, {"drain_grace_s": 30, "models": [entry]})
+    srv = start_server(config)
+    try:
+        srv.proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while "SIGINT received: draining" not in srv.log_text():
+            assert time.monotonic() < deadline, srv.log_text()
+            time.sleep(0.02)
+        assert "press Ctrl-C again to stop now" in srv.log_text()
+        srv.proc.send_signal(signal.SIGINT)
+        status = _wait(srv.proc, 20)  # the grace is 30 s: only the second signal ends it so soon
+        assert status == EXIT_FORCED, srv.log_text()
+        assert "second SIGINT: stopping without waiting for in-flight requests" in srv.log_text()
+    finally:
+        srv.proc.kill()
