@@ -39,10 +39,15 @@ def test_a_new_project_passes_its_own_tests(tmp_path: Path) -> None:
     ):
         assert (project / name).is_file(), name
     assert '"name": "demo"' in (project / "config.json").read_text()
-    # Its tests start the real server on the project and ask it with real clients.
+    # Its tests start the real server on the project and ask it with real clients,
+    # run as the command printed says, from where `aserve new` ran.
+    printed = made.stdout.splitlines()
+    [test_line] = [line for line in printed if "-m pytest" in line]
+    command = test_line.split("  #")[0].strip()
+    assert command.startswith("cd demo && ") and sys.executable in command, printed
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-        cwd=project, capture_output=True, text=True, timeout=240, env=_env(),
+        command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env=_env(),
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert "4 passed" in run.stdout, run.stdout

@@ -6,8 +6,10 @@ in them is the project's name, which is also its model's.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -70,11 +72,26 @@ def run_new(name: str) -> int:
     except ScaffoldError as exc:
         print(f"aserve new: error: {exc}", file=sys.stderr)
         return 2
-    print(
-        f"created {name}/: handler.py, config.json, client.py, requirements.txt, "
-        f"tests/test_handler.py\n"
-        f"  cd {name} && python -m pytest -q       # its tests: the real server, real clients\n"
-        f"  aserve --config {name}/config.json      # serve it\n"
-        f"  aserve archive {name} -o {name}.aserve  # test and pack it"
-    )
+    print(next_steps(name))
     return 0
+
+
+def next_steps(name: str) -> str:
+    """What to run next, with the interpreter that ran ``aserve new`` (a bare
+    ``python`` or ``aserve`` may not be the one aserve is installed in, e.g. a
+    virtualenv that is not activated), and what pytest needs when it is missing."""
+    py = shlex.quote(sys.executable)
+    folder = shlex.quote(name)
+    lines = [
+        f"created {name}/: handler.py, config.json, client.py, requirements.txt, "
+        "tests/test_handler.py",
+        f"  cd {folder} && {py} -m pytest -q  # its tests: the real server, real clients",
+        f"  {py} -m aserve --config {folder}/config.json  # serve it",
+        f"  {py} -m aserve archive {folder} -o {folder}.aserve  # test and pack it",
+    ]
+    if importlib.util.find_spec("pytest") is None:
+        lines.append(
+            f"the tests and aserve archive need pytest, which {py} lacks: "
+            f"{py} -m pip install 'aserve[archive]'"
+        )
+    return "\n".join(lines)
