@@ -25,32 +25,88 @@ LIMITS = StepLimits(max_num_seqs=4, max_prefill_tokens=100)
 
 def test_admits_by_deadline_while_slots_and_budget_allow() -> None:
     waiting = [WaitingView(10, 40), WaitingView(11, 40), WaitingView(12, 40), WaitingView(13, 1)]
-    plan = plan_step(0, [RunningView(50, False)], waiting, 1, LIMITS)
+    plan = plan_step(0, [RunningView(50, False)], [waiting], 1, LIMITS)
     # 40 + 40 fit the 100-token budget, the third would not: admission stops
     # there, and the short fourth does not overtake it.
-    assert plan.admit == [0, 1] and plan.decode == [0] and plan.wake_at is None
+    assert plan.admit == [(0, 0), (0, 1)] and plan.decode == [0] and plan.wake_at is None
 
 
 def test_first_admission_ignores_the_budget_and_slots_bound() -> None:
-    plan = plan_step(0, [], [WaitingView(10, 500), WaitingView(11, 1)], 0, LIMITS)
-    assert plan.admit == [0]  # a long prompt is never starved
-    full = plan_step(0, [RunningView(9, False)] * 4, [WaitingView(10, 1)], 4, LIMITS)
+    plan = plan_step(0, [], [[WaitingView(10, 500), WaitingView(11, 1)]], 0, LIMITS)
+    assert plan.admit == [(0, 0)]  # a long prompt is never starved
+    full = plan_step(0, [RunningView(9, False)] * 4, [[WaitingView(10, 1)]], 4, LIMITS)
     assert full.admit == [] and full.decode == [0, 1, 2, 3]
 
 
 def test_expired_leave_and_free_their_slots_first() -> None:
     running = [RunningView(5, False), RunningView(50, False)]
     waiting = [WaitingView(4, 3), WaitingView(20, 3)]
-    plan = plan_step(10, running, waiting, 4, LIMITS)
+    plan = plan_step(10, running, [waiting], 4, LIMITS)
     assert plan.expire_running == [0] and plan.decode == [1]
-    assert plan.expire_waiting == [0] and plan.admit == [1]  # into the expired one's slot
+    # Into the expired one's slot.
+    assert plan.expire_waiting == [(0, 0)] and plan.admit == [(0, 1)]
 
 
 def test_paused_sit_out_and_nothing_to_run_sleeps_until_a_deadline() -> None:
     running = [RunningView(30, True), RunningView(20, True)]
-    plan = plan_step(0, running, [WaitingView(15, 3)], 4, LIMITS)
+    plan = plan_step(0, running, [[WaitingView(15, 3)]], 4, LIMITS)
     assert not plan.runs and plan.wake_at == 15  # no slot for the waiting one
     assert plan_step(0, [], [], 0, LIMITS).wake_at is None
+
+
+# The waiting queues by priority: the first is the most urgent (lowest value).
+
+
+def test_a_more_urgent_queue_is_admitted_first_whatever_the_deadlines() -> None:
+    urgent = [WaitingView(90, 10), WaitingView(95, 10)]
+    relaxed = [WaitingView(10, 10), WaitingView(11, 10)]
+    plan = plan_step(0, [], [urgent, relaxed], 1, LIMITS)  # 3 slots free
+    # Both urgent ones, then the relaxed one of the earliest deadline, in that order.
+    assert plan.admit == [(0, 0), (0, 1), (1, 0)] and plan.wake_at is None
+
+
+def test_a_less_urgent_queue_does_not_overtake_where_admission_stops() -> None:
+    # The prefill budget: the second urgent one does not fit beside the first,
+    # and the short relaxed one, which would, waits behind it.
+    urgent = [WaitingView(50, 60), WaitingView(51, 60)]
+    plan = plan_step(0, [], [urgent, [WaitingView(20, 1)]], 0, LIMITS)
+    assert plan.admit == [(0, 0)]
+    # The slots: the one free slot goes to the urgent one, whose deadline is later.
+    queues = [[WaitingView(50, 1)], [WaitingView(20, 1)]]
+    plan = plan_step(0, [RunningView(80, False)] * 3, queues, 3, LIMITS)
+    assert plan.admit == [(0, 0)] and plan.decode == [0, 1, 2]
+    # No slot: neither starts; a running sequence is never preempted.
+    full = plan_step(0, [RunningView(80, False)] * 4, queues, 4, LIMITS)
+    assert full.admit == [] and full.decode == [0, 1, 2, 3] and full.expire_running == []
+
+
+def test_a_less_urgent_queue_takes_the_slots_the_urgent_one_leaves() -> None:
+    # No starvation when there is room: slots the urgent queue does not fill
+    # go to the next ones in the same step.
+    queues = [[WaitingView(50, 1)], [], [WaitingView(60, 1), WaitingView(61, 1)]]
+    assert plan_step(0, [], queues, 0, LIMITS).admit == [(0, 0), (2, 0), (2, 1)]
+
+
+def test_expired_waiting_ones_leave_from_every_queue() -> None:
+    # Slots are full, so nothing is admitted; the expired heads of every
+    # priority leave all the same, and only those.
+    urgent = [WaitingView(5, 1), WaitingView(30, 1)]
+    relaxed = [WaitingView(3, 1), WaitingView(8, 1), WaitingView(12, 1)]
+    plan = plan_step(10, [RunningView(40, False)] * 4, [urgent, relaxed], 4, LIMITS)
+    assert plan.expire_waiting == [(0, 0), (1, 0), (1, 1)] and plan.admit == []
+    # With room, the urgent live one is admitted, and the relaxed live one too.
+    plan = plan_step(10, [], [urgent, relaxed], 0, LIMITS)
+    assert plan.expire_waiting == [(0, 0), (1, 0), (1, 1)]
+    assert plan.admit == [(0, 1), (1, 2)]
+
+
+def test_with_nothing_to_run_it_wakes_at_the_earliest_head_of_any_queue() -> None:
+    running = [RunningView(90, True)] * 4  # every slot held, every reader behind
+    plan = plan_step(0, running, [[WaitingView(50, 1)], [WaitingView(20, 1)]], 4, LIMITS)
+    # The less urgent queue's head expires first: the batcher must wake for it.
+    assert not plan.runs and plan.wake_at == 20
+    plan = plan_step(0, running, [[WaitingView(50, 1)], [WaitingView(70, 1)]], 4, LIMITS)
+    assert plan.wake_at == 50
 
 
 # --- the loop driver ------------------------------------------------------------------------
@@ -332,6 +388,91 @@ async def test_a_burst_that_slots_and_queue_can_take_is_taken() -> None:
     ex.answer(finished={"2", "3"})
     assert [(await r.collect())[0] for r in burst] == ["<0>", "<1>", "<2>", "<3>"]
     assert stats.rejected["queue_full"] == 2
+
+
+# --- priorities (vLLM's: lower first) ------------------------------------------------------
+
+
+async def test_admission_goes_by_priority_then_deadline() -> None:
+    b, ex, _, _ = make(max_num_seqs=1)
+    b.submit("hold", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    for seq, timeout, priority in (
+        ("p5-early", 10, 5), ("p0-late", 60, 0), ("p0-early", 30, 0), ("p5-late", 50, 5),
+        ("neg", 90, -1),
+    ):  # fmt: skip
+        b.submit(seq, 1, timeout, priority=priority)  # type: ignore[arg-type]
+    # Most urgent first, and so are the keys.
+    by_priority = b.statistics()["waiting_by_priority"]
+    assert by_priority == {"-1": 1, "0": 2, "5": 2} and list(by_priority) == ["-1", "0", "5"]
+    admitted = []
+    for _ in range(5):
+        ex.answer(finished={*ex.jobs[-1].new, *ex.jobs[-1].running})
+        admitted += ex.jobs[-1].new
+    assert admitted == ["neg", "p0-early", "p0-late", "p5-early", "p5-late"]
+    assert b.statistics()["waiting_by_priority"] == {}
+
+
+async def test_a_more_urgent_arrival_takes_the_place_of_the_least_urgent_waiting_one() -> None:
+    b, ex, clock, stats = make(max_num_seqs=1, max_queue_size=2)
+    b.submit("hold", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    first = b.submit("first", 1, 60, priority=5)  # type: ignore[arg-type]
+    second = b.submit("second", 1, 60, priority=5)  # type: ignore[arg-type]
+    # Full. One of priority 0 pushes out the one that would go last: of the
+    # least urgent priority, the latest deadline (here the later arrival).
+    urgent = b.submit("urgent", 1, 60, priority=0)  # type: ignore[arg-type]
+    with pytest.raises(QueueFull, match=r"more urgent request \(priority 0\).*priority 5"):
+        await second.collect()
+    assert b.statistics()["waiting_by_priority"] == {"0": 1, "5": 1}
+    # One of the same priority as the least urgent one is refused at once, as
+    # with no priorities, and so is a less urgent one; the queue is unchanged.
+    for priority in (5, 7):
+        with pytest.raises(
+            QueueFull, match=f"none less urgent than this one's priority {priority}"
+        ):
+            b.submit("late", 1, 60, priority=priority)  # type: ignore[arg-type]
+    # An urgent one whose deadline has passed already pushes nobody out.
+    with pytest.raises(DeadlineExceeded):
+        b.submit("spent", 1, 1, arrival=clock.now - 5, priority=-3)  # type: ignore[arg-type]
+    assert b.statistics()["waiting_by_priority"] == {"0": 1, "5": 1}
+    again = b.submit("again", 1, 60, priority=0)  # type: ignore[arg-type]
+    with pytest.raises(QueueFull, match="took the place of this one"):
+        await first.collect()
+    # A queue of priority 0 alone: priority 0 is refused, -1 would find room.
+    with pytest.raises(QueueFull, match="max_queue_size 2"):
+        b.check_room(priority=0)
+    b.check_room(priority=-1)
+    assert b.statistics()["waiting_by_priority"] == {"0": 2}
+    # Two displaced, three refused (the one check_room refused among them).
+    assert stats.rejected["queue_full"] == 5 and stats.fail.count == 2
+    ex.answer(finished={"hold"})
+    assert ex.jobs[-1].new == ["urgent"]
+    ex.answer(finished={"urgent"})
+    assert ex.jobs[-1].new == ["again"]
+    ex.answer(finished={"again"})
+    assert [(await r.collect())[0] for r in (urgent, again)] == ["<urgent>", "<again>"]
+    assert b.idle and b.slots_held == 0
+
+
+async def test_waiting_ones_expire_from_every_priority_and_the_timer_counts_each() -> None:
+    b, ex, clock, stats = make(max_num_seqs=1, stream_buffer_chunks=1)
+    hold = b.submit("hold", 1, 60)  # type: ignore[arg-type]
+    await settle()
+    urgent = b.submit("urgent", 1, 60, priority=0)  # type: ignore[arg-type]
+    short = b.submit("short", 1, 5, priority=9)  # type: ignore[arg-type]
+    ex.answer()  # hold's reader is a step behind: it is paused, keeping the slot
+    assert len(ex.jobs) == 1 and hold.channel.paused and b._timer is not None
+    # The batcher sleeps until the least urgent one's deadline, the earliest.
+    loop = asyncio.get_running_loop()
+    assert b._timer.when() - loop.time() <= 5
+    clock.now += 5
+    b._on_timer()
+    await settle()
+    with pytest.raises(DeadlineExceeded, match="waiting for a slot"):
+        await short.collect()
+    assert stats.timed_out == 1 and b.statistics()["waiting_by_priority"] == {"0": 1}
+    assert urgent.channel.backlog == 0 and b.waiting == 1
 
 
 # --- an executor that runs ahead (as the step process does) ---------------------------------

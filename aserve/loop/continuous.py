@@ -21,6 +21,13 @@ resumed reader. Outputs for a request that is done (cancelled, expired) are
 dropped, as those of a step in flight always were; the executor drops those
 of sequences it was told to free.
 
+Priority (vLLM's ``priority``, lower first, 0 by default): waiting sequences
+are admitted by priority, then by deadline; a running one is never preempted.
+A request that finds the queue full takes the place of the least urgent one
+waiting (the last of the highest priority value) when that one's priority is
+less urgent than its own: that one is answered QueueFull (429), saying so;
+otherwise the arrival is refused, as with no priorities.
+
 Slots: the loop counts the KV-cache slots it has handed out. A sequence
 that finishes frees its slot inside the step; one that is cancelled or
 expires while holding a slot is freed by the thread at the start of the next
@@ -113,6 +120,7 @@ class GenerationRequest:
         "holds_slot",
         "id",
         "last_token",
+        "priority",
         "prompt_tokens",
         "sequence",
         "state",
@@ -127,6 +135,7 @@ class GenerationRequest:
         deadline: float,
         channel: TokenChannel,
         client_id: str | None,
+        priority: int = 0,
     ) -> None:
         self.id = next(_ids)
         self._batcher = batcher
@@ -136,12 +145,15 @@ class GenerationRequest:
         self.deadline = deadline
         self.channel = channel
         self.client_id = client_id
+        self.priority = priority  # lower is admitted first (vLLM's)
         self.state = State.WAITING
         self.admitted = 0.0
         self.holds_slot = False
         self.last_token = 0.0  # when the step that gave its latest token ended; 0: none yet
 
     def __lt__(self, other: GenerationRequest) -> bool:
+        """The order within one priority: earliest deadline first (arrival order
+        among equal timeouts)."""
         return (self.deadline, self.id) < (other.deadline, other.id)
 
     @property
@@ -176,6 +188,97 @@ class GenerationRequest:
         return "".join(parts), last
 
 
+class WaitingQueue:
+    """The sequences waiting for a slot: one list per priority, each in deadline order.
+
+    A model's requests mostly share one priority, so ``levels`` is short and
+    looking at each level's head costs little; a level leaves once empty.
+    """
+
+    __slots__ = ("_levels", "_order", "_size")
+
+    def __init__(self) -> None:
+        self._levels: dict[int, list[GenerationRequest]] = {}
+        self._order: list[int] = []  # the priorities of the levels, most urgent first
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def levels(self) -> list[list[GenerationRequest]]:
+        """Each priority's queue, most urgent first (the lists themselves)."""
+        return [self._levels[p] for p in self._order]
+
+    def add(self, req: GenerationRequest) -> None:
+        level = self._levels.get(req.priority)
+        if level is None:
+            level = self._levels[req.priority] = []
+            bisect.insort(self._order, req.priority)
+        bisect.insort(level, req)
+        self._size += 1
+
+    def remove(self, req: GenerationRequest) -> None:
+        level = self._levels[req.priority]
+        level.remove(req)
+        self._size -= 1
+        if not level:
+            self._drop(req.priority)
+
+    def take_heads(self, counts: dict[int, int]) -> dict[int, list[GenerationRequest]]:
+        """Take the first ``counts[k]`` requests of level ``k`` (an index into
+        :meth:`levels` as it was), for each ``k`` given."""
+        taken = {}
+        for k, n in counts.items():
+            priority = self._order[k]
+            level = self._levels[priority]
+            taken[k], level[:n] = level[:n], []
+            self._size -= n
+        for priority in [p for p in self._order if not self._levels[p]]:
+            self._drop(priority)
+        return taken
+
+    def expire(self, now: float) -> list[GenerationRequest]:
+        """Take every request whose deadline has passed (each level's head)."""
+        out = []
+        for priority in list(self._order):
+            level = self._levels[priority]
+            i = 0
+            while i < len(level) and level[i].deadline <= now:
+                i += 1
+            out += level[:i]
+            del level[:i]
+            self._size -= i
+            if not level:
+                self._drop(priority)
+        return out
+
+    def earliest_deadline(self) -> float | None:
+        return min((self._levels[p][0].deadline for p in self._order), default=None)
+
+    def least_urgent(self) -> GenerationRequest | None:
+        """The one that would be admitted last: the latest deadline of the highest
+        priority value."""
+        return self._levels[self._order[-1]][-1] if self._order else None
+
+    def counts(self) -> dict[int, int]:
+        """Waiting sequences per priority, most urgent first."""
+        return {p: len(self._levels[p]) for p in self._order}
+
+    def clear(self) -> list[GenerationRequest]:
+        out = [r for p in self._order for r in self._levels[p]]
+        self._levels.clear()
+        self._order.clear()
+        self._size = 0
+        return out
+
+    def _drop(self, priority: int) -> None:
+        del self._levels[priority]
+        self._order.remove(priority)
+
+
 class ContinuousBatcher:
     def __init__(
         self,
@@ -194,7 +297,7 @@ class ContinuousBatcher:
         self._stats = stats
         self._clock = clock
         self._loop = asyncio.get_running_loop()
-        self._waiting: list[GenerationRequest] = []  # sorted by (deadline, id)
+        self._waiting = WaitingQueue()  # by priority, then (deadline, id)
         self._running: dict[int, GenerationRequest] = {}  # by id, in admission order
         self._to_free: dict[int, GenerationRequest] = {}  # left the batch, slot not yet freed
         self._slots_held = 0
@@ -248,27 +351,58 @@ class ContinuousBatcher:
 
     # --- requests in and out ----------------------------------------------------
 
-    def check_room(self, preparing: int = 0) -> None:
+    def check_room(self, preparing: int = 0, priority: int = 0) -> None:
         """Raise now what :meth:`submit` would for want of room (QueueFull, or
         Unavailable while unloading), so that a frontend refuses before it
         tokenizes: under a retry storm every refusal is loop time taken from
         the running streams' steps and SSE writes. ``preparing``: requests not
         queued yet because their prompts are being rendered and tokenized; they
         take places in the queue too, so that the line in front of a model's
-        chat-template thread is as bounded as the queue behind it."""
+        chat-template thread is as bounded as the queue behind it. A request
+        of ``priority`` finds room in a full queue that holds a less urgent one
+        (whose place it takes at :meth:`submit`)."""
         if self._closed:
             raise Unavailable(f"model '{self.label}' is unloading")
+        if self._full(preparing) and self._displaceable(priority) is None:
+            self._stats.rejected["queue_full"] += 1
+            urgency = ""
+            if priority or any(self._waiting.counts()):  # named only where in use
+                urgency = f", none less urgent than this one's priority {priority},"
+            raise QueueFull(
+                f"model '{self.label}' queue is full: {len(self._waiting)} sequences waiting "
+                f"for a slot{urgency} and {preparing} being prepared (generation.max_queue_size "
+                f"{self.max_queue_size}); retry later"
+            )
+
+    def _full(self, preparing: int = 0) -> bool:
         # Sequences that the next step admits into free slots are not queued:
         # a burst of max_num_seqs + max_queue_size is taken by an idle model.
         free_slots = self.limits.max_num_seqs - (self._slots_held - len(self._to_free))
-        waiting = len(self._waiting) + preparing
-        if waiting >= self.max_queue_size + max(free_slots, 0):
-            self._stats.rejected["queue_full"] += 1
-            raise QueueFull(
-                f"model '{self.label}' queue is full: {len(self._waiting)} sequences waiting "
-                f"for a slot and {preparing} being prepared (generation.max_queue_size "
-                f"{self.max_queue_size}); retry later"
-            )
+        return len(self._waiting) + preparing >= self.max_queue_size + max(free_slots, 0)
+
+    def _displaceable(self, priority: int) -> GenerationRequest | None:
+        """The waiting request an arrival of ``priority`` may push out of a full
+        queue: the least urgent one, if its priority is less urgent."""
+        last = self._waiting.least_urgent()
+        return last if last is not None and last.priority > priority else None
+
+    def _displace(self, priority: int) -> None:
+        """Make room in a full queue for an arrival of ``priority``: the least
+        urgent waiting request leaves with QueueFull, naming why."""
+        out = self._displaceable(priority)
+        assert out is not None  # check_room() refuses the arrival otherwise
+        self._waiting.remove(out)
+        self._stats.rejected["queue_full"] += 1
+        log.debug(
+            "generation %s on '%s' (priority %d) displaced by one of priority %d",
+            out.log_id, self.label, out.priority, priority,
+        )  # fmt: skip
+        self._end(out, QueueFull(
+            f"model '{self.label}' queue is full (generation.max_queue_size "
+            f"{self.max_queue_size}) and a more urgent request (priority {priority}) took "
+            f"the place of this one (priority {out.priority}; lower is served first); "
+            "retry later"
+        ))  # fmt: skip
 
     def submit(
         self,
@@ -278,19 +412,26 @@ class ContinuousBatcher:
         client_id: str | None = None,
         *,
         arrival: float | None = None,
+        priority: int = 0,
     ) -> GenerationRequest:
         """Queue a prepared sequence, or raise at once (QueueFull / Unavailable /
         DeadlineExceeded). Its deadline is ``arrival`` (when the frontend read its
         first bytes; None: now) + ``timeout_s``; the request's own ``arrival``
-        is now, when it joins the queue (its statistics count from there)."""
-        self.check_room()
+        is now, when it joins the queue (its statistics count from there).
+        ``priority``: lower is admitted first; at a full queue, a request takes
+        the place of a less urgent one waiting (which fails with QueueFull)."""
+        self.check_room(priority=priority)
         now = self._clock()
         deadline = (now if arrival is None else arrival) + timeout_s
         if deadline <= now:  # spent before it came here
             raise DeadlineExceeded(f"request deadline already passed on arrival at '{self.label}'")
+        if self._full():  # check_room found a less urgent one to push out
+            self._displace(priority)
         channel = TokenChannel(self.buffer_chunks, on_resume=self._kick)
-        req = GenerationRequest(self, sequence, prompt_tokens, now, deadline, channel, client_id)
-        bisect.insort(self._waiting, req)
+        req = GenerationRequest(
+            self, sequence, prompt_tokens, now, deadline, channel, client_id, priority
+        )
+        self._waiting.add(req)
         self._kick()
         return req
 
@@ -343,10 +484,11 @@ class ContinuousBatcher:
         for r in running:
             if r.channel.full:
                 r.channel.paused = True
+        levels = self._waiting.levels()
         plan = plan_step(
             now,
             [RunningView(r.deadline, r.channel.paused) for r in running],
-            (WaitingView(w.deadline, w.prompt_tokens) for w in self._waiting),
+            [(WaitingView(w.deadline, w.prompt_tokens) for w in level) for level in levels],
             # Slots of sequences that left since the last step are freed first.
             self._slots_held - len(self._to_free),
             self.limits,
@@ -357,15 +499,20 @@ class ContinuousBatcher:
                 f"generation timed out after {(now - r.arrival) * 1e3:.0f} ms "
                 f"({r.channel.backlog} step(s) unread by the client) on '{self.label}'"
             ))  # fmt: skip
-        head = len(plan.expire_waiting) + len(plan.admit)
-        queue, self._waiting[:head] = self._waiting[:head], []
-        for i in plan.expire_waiting:
-            w = queue[i]
+        heads: dict[int, list[GenerationRequest]] = {}
+        if plan.expire_waiting or plan.admit:
+            # What the plan takes of each level is a prefix of it.
+            counts: dict[int, int] = {}
+            for q, _ in (*plan.expire_waiting, *plan.admit):
+                counts[q] = counts.get(q, 0) + 1
+            heads = self._waiting.take_heads(counts)
+        for q, i in plan.expire_waiting:
+            w = heads[q][i]
             self._time_out(w, (
                 f"generation timed out after {(now - w.arrival) * 1e3:.0f} ms waiting for a "
                 f"slot of '{self.label}'"
             ))  # fmt: skip
-        new = [queue[i] for i in plan.admit]
+        new = [heads[q][i] for q, i in plan.admit]
         decode = [running[i] for i in plan.decode]
         if not new and not self._to_free and self._goes_on(decode):
             self._arm_timer(plan.wake_at)
@@ -470,13 +617,12 @@ class ContinuousBatcher:
     def _hold_queue(self, now: float) -> None:
         """The engine is being replaced: no step runs, waiting sequences stay
         queued for it (``resume``), and leave only when their deadline passes."""
-        while self._waiting and self._waiting[0].deadline <= now:
-            w = self._waiting.pop(0)
+        for w in self._waiting.expire(now):
             self._time_out(w, (
                 f"generation timed out after {(now - w.arrival) * 1e3:.0f} ms waiting for "
                 f"'{self.label}' (its step process is restarting)"
             ))  # fmt: skip
-        self._arm_timer(self._waiting[0].deadline if self._waiting else None)
+        self._arm_timer(self._waiting.earliest_deadline())
 
     def _time_out(self, req: GenerationRequest, message: str) -> None:
         self._stats.timed_out += 1
@@ -499,7 +645,7 @@ class ContinuousBatcher:
                 req.holds_slot = False
                 self._slots_held -= 1
             req.state = State.WAITING
-            bisect.insort(self._waiting, req)
+            self._waiting.add(req)
 
     def _step_failed(self, job: StepJob, reqs: list[GenerationRequest]) -> None:
         if job.not_run:
@@ -554,9 +700,8 @@ class ContinuousBatcher:
         self._closed = True
         self._disarm_timer()
         error = Unavailable(f"model '{self.label}' is unloading")
-        for req in [*self._waiting, *self._running.values()]:
+        for req in [*self._waiting.clear(), *self._running.values()]:
             self._end(req, error)
-        self._waiting.clear()
 
     def statistics(self) -> dict[str, Any]:
         """aserve's generation gauges and counters, for the model's statistics."""
@@ -564,6 +709,8 @@ class ContinuousBatcher:
             "waiting_sequence_count": self.waiting,
             "running_sequence_count": self.running,
             "paused_sequence_count": self.paused,
+            # By priority (vLLM's: lower is admitted first), most urgent first.
+            "waiting_by_priority": {str(p): n for p, n in self._waiting.counts().items()},
             "kv_slots_in_use": self._slots_held,
             "max_num_seqs": self.limits.max_num_seqs,
             "step_count": self.steps,

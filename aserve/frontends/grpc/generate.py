@@ -42,6 +42,7 @@ from aserve.loop.prompt_size import check_prompt_size
 from aserve.loop.runtimes.generation import (
     TEXT_OUTPUT,
     generation_runtime,
+    parameter_priority,
     text_input,
     text_tensor,
 )
@@ -197,13 +198,14 @@ async def answer_decoupled(
             runtime.max_batch_size, runtime.variable_shapes,
         )  # fmt: skip
         params = sampling_from_parameters(decoded.parameters)
+        priority = parameter_priority(decoded.parameters)  # vLLM's, as over HTTP
         client_id = request.id or None
         prompt = text_input(decoded.inputs, runtime.generation.prompt_bytes_limit)
-        seq = await runtime.prepare(params, prompt, client_id=client_id)
+        seq = await runtime.prepare(params, prompt, client_id=client_id, priority=priority)
         timeout = resolve_deadline(
             None, decoded.timeout_s, call_remaining, runtime.default_timeout_s, max_timeout_s
         )
-        req = runtime.generate(seq, timeout, client_id)
+        req = runtime.generate(seq, timeout, client_id, priority=priority)
     except Exception as exc:
         error = as_error(exc, "ModelStreamInfer", request.id)
         out.send_final([_failed(request, error)])

@@ -9,7 +9,8 @@ count as parameters, as Triton maps them. Parameters: ``max_tokens``,
 ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``ignore_eos``,
 ``timeout_ms`` / ``timeout`` (µs), ``exclude_input_in_output`` (default
 true: ``text_output`` holds only the generated text; false puts the prompt
-in front). The answer: ``{"id"?, "model_name", "model_version",
+in front), ``priority`` (vLLM's, as on the OpenAI routes: an integer, lower
+admitted first, 0 by default). The answer: ``{"id"?, "model_name", "model_version",
 "text_output"}``, and on the last one ``finish_reason`` and ``usage``.
 
 Errors before the stream starts are ordinary ``{"error": "..."}`` answers
@@ -38,7 +39,7 @@ from aserve.frontends.http.kit import (
 )
 from aserve.frontends.http.stream import json_stream
 from aserve.loop.prompt_size import body_limit
-from aserve.loop.runtimes.generation import generation_runtime
+from aserve.loop.runtimes.generation import generation_runtime, parameter_priority
 
 if TYPE_CHECKING:
     from aserve.frontends.context import FrontendContext
@@ -98,8 +99,11 @@ class TritonGenerate:
             self._max_timeout_s,
         )
         sampling = sampling_from_parameters(params)
-        seq = await runtime.prepare(sampling, prompt=prompt, client_id=client_id)
-        req = runtime.generate(seq, timeout, client_id, arrival=request[ARRIVAL_KEY])
+        priority = parameter_priority(params)
+        seq = await runtime.prepare(sampling, prompt=prompt, client_id=client_id, priority=priority)
+        req = runtime.generate(
+            seq, timeout, client_id, arrival=request[ARRIVAL_KEY], priority=priority
+        )
         head = {"model_name": runtime.name, "model_version": runtime.version}
         if client_id is not None:
             head = {"id": client_id, **head}

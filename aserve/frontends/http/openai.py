@@ -22,9 +22,12 @@ for nothing (``n: 1``, ``store: false``): the table is
 :data:`aserve.frontends.http.openai_fields.FIELDS`, and a field it does not
 know is refused too. One choice per request and one prompt per completion
 request; ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
-``top_p``, ``seed``, ``stop`` (at most 4), and vLLM's extensions ``top_k``
-and ``ignore_eos``. aserve's own ``timeout_ms`` field bounds the request as
-the ``aserve-timeout-ms`` header does (the earlier of the two applies; see
+``top_p``, ``seed``, ``stop`` (at most 4), and vLLM's extensions ``top_k``,
+``ignore_eos`` and ``priority`` (an integer, 0 by default: a lower one is
+admitted to the batch first, and at a full queue takes the place of a less
+urgent one waiting; see :mod:`aserve.loop.continuous`). aserve's own
+``timeout_ms`` field bounds the request as the ``aserve-timeout-ms`` header
+does (the earlier of the two applies; see
 :func:`aserve.frontends.common.resolve_deadline`).
 
 Frontends layer; handlers run on the loop.
@@ -60,7 +63,11 @@ from aserve.frontends.http.stream import DONE, json_stream
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.prompt_size import check_prompt_size
 from aserve.loop.runtimes.base import Generator
-from aserve.loop.runtimes.generation import generation_body_limit, generation_runtime
+from aserve.loop.runtimes.generation import (
+    generation_body_limit,
+    generation_runtime,
+    request_priority,
+)
 from aserve.types.generation import (
     SAMPLING_KEYS,
     BadSetting,
@@ -205,8 +212,9 @@ class OpenAIApi:
             parsed = _parse(body, chat)
             try:
                 seq = await runtime.prepare(
-                    parsed.params, prompt=parsed.prompt, messages=parsed.messages
-                )
+                    parsed.params, prompt=parsed.prompt, messages=parsed.messages,
+                    priority=parsed.priority,
+                )  # fmt: skip
             except InvalidArgument as exc:
                 # The engine names the limit max_tokens; the request may have named it otherwise.
                 if parsed.limit_field != "max_tokens" and exc.message.startswith("max_tokens"):
@@ -220,7 +228,9 @@ class OpenAIApi:
                 runtime.default_timeout_s,
                 self._max_timeout_s,
             )
-            req = runtime.generate(seq, timeout, arrival=request[ARRIVAL_KEY])
+            req = runtime.generate(
+                seq, timeout, arrival=request[ARRIVAL_KEY], priority=parsed.priority
+            )
         except AserveError as exc:
             return error_response(exc)
         prefix = "chatcmpl-" if chat else "cmpl-"
@@ -306,7 +316,8 @@ async def _stream(
 
 class _Parsed:
     __slots__ = (
-        "include_usage", "limit_field", "messages", "params", "prompt", "stream", "timeout_s"
+        "include_usage", "limit_field", "messages", "params", "priority", "prompt", "stream",
+        "timeout_s",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -316,6 +327,7 @@ class _Parsed:
         self.stream = False
         self.include_usage = False
         self.timeout_s: float | None = None  # aserve's timeout_ms field, if given
+        self.priority = 0  # vLLM's: lower is admitted first
         self.limit_field = "max_tokens"  # or max_completion_tokens, as the request named it
 
 
@@ -367,6 +379,10 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
         param = limit if exc.param == "max_tokens" else exc.param
         raise FieldError(param, f"{param}: {exc.message}") from None
     out.params = SamplingParams(**kw)
+    try:
+        out.priority = request_priority(body.get("priority"))
+    except BadSetting as exc:
+        raise FieldError("priority", f"priority: {exc.message}") from None
     if body.get("timeout_ms") is not None:
         try:
             out.timeout_s = parameter_timeout_s({"timeout_ms": body["timeout_ms"]})

@@ -84,6 +84,7 @@ FIELDS: dict[str, Field] = {
     "stream_options": Field(BOTH, "honoured", "include_usage; include_obfuscation false"),
     "top_k": Field(BOTH, "honoured", "vLLM's: -1 or 0 for no limit"),
     "ignore_eos": Field(BOTH, "honoured", "vLLM's"),
+    "priority": Field(BOTH, "honoured", "vLLM's: an integer, lower is served first"),
     "timeout_ms": Field(BOTH, "honoured", "aserve's: the request's deadline"),
     "user": Field(BOTH, "accepted", _NAMES),
     "safety_identifier": Field(CHAT, "accepted", _NAMES),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import reprlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,7 @@ from aserve.loop.runtimes.base import (
     not_ready,
     string_parameters,
 )
-from aserve.types.generation import SamplingParams
+from aserve.types.generation import BadSetting, SamplingParams
 from aserve.workers.job import ChildProcesses, Executor, SequenceCheck, StepJob
 from aserve.workers.offload import run_off_loop
 from aserve.workers.step_executor import StepExecutor
@@ -62,6 +63,9 @@ TEXT_OUTPUT = "text_output"
 # loop. A model's own chat template always renders there: its cost is the
 # model's code, bounded by its budget, not by the request.
 _INLINE_PROMPT_BYTES = 2048
+# vLLM's request priority (lower is admitted first), bounded to a signed 32-bit
+# integer: a value every JSON client and a protobuf int parameter carry exactly.
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 
 
 class GenerationRuntime(Generator):
@@ -174,12 +178,15 @@ class GenerationRuntime(Generator):
         prompt: str | list[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
         client_id: str | None = None,
+        *,
+        priority: int = 0,
     ) -> EngineSequence:
         """Tokenize ``prompt`` (or render ``messages`` with the chat template) and
         validate the request; :class:`InvalidArgument` names what is wrong.
 
         Nothing is queued yet, but a full queue refuses here already
-        (QueueFull), before any per-token work. The prompt's size is checked
+        (QueueFull), before any per-token work, unless it holds one less urgent
+        than ``priority`` (see :meth:`generate`). The prompt's size is checked
         first (:mod:`aserve.loop.prompt_size`). Short prompts are handled right here;
         long ones in a worker thread, tokenized with the GIL given up, so that
         the loop is not held up. A chat the model's own template renders is
@@ -200,7 +207,7 @@ class GenerationRuntime(Generator):
         if self.batcher is not None:
             # What waits for the template thread counts as queued: else a line of
             # chats whose templates run to their bound grew behind it without limit.
-            self.batcher.check_room(0 if inline else self._preparing)
+            self.batcher.check_room(0 if inline else self._preparing, priority)
         if inline:
             return self._prepare(params, prompt, messages, client_id)
         self._preparing += 1  # busy: a drain waits for it to be queued
@@ -259,21 +266,28 @@ class GenerationRuntime(Generator):
         client_id: str | None = None,
         *,
         arrival: float | None = None,
+        priority: int = 0,
     ) -> GenerationRequest:
         """Queue a prepared sequence: its stream, or a refusal at once
         (QueueFull when ``generation.max_queue_size`` are waiting, Unavailable
         when the model is not loaded, DeadlineExceeded when its deadline,
         counted from ``arrival``, passed already). While the step process
         restarts the model reports not ready, but a request still queues for
-        the new one, bounded by its deadline and the queue's size."""
+        the new one, bounded by its deadline and the queue's size.
+
+        ``priority`` (vLLM's, :func:`request_priority`): lower is admitted
+        first; a running sequence is never preempted. At a full queue it takes
+        the place of the least urgent one waiting, if that one is less urgent
+        (which then fails with QueueFull)."""
         if self.state is not ModelState.READY or self.batcher is None:
             raise Unavailable(not_ready(self.label, self.state.value))
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
         if self._check is not None:
             self._check(sequence)
         return self.batcher.submit(
-            sequence, len(sequence.prompt_ids), timeout, client_id, arrival=arrival
-        )
+            sequence, len(sequence.prompt_ids), timeout, client_id, arrival=arrival,
+            priority=priority,
+        )  # fmt: skip
 
     def end_streams(self) -> None:
         """End every queued and running stream as unavailable; refuse new ones."""
@@ -291,11 +305,15 @@ class GenerationRuntime(Generator):
         *,
         arrival: float | None = None,
     ) -> dict[str, np.ndarray]:
-        """KServe inference: the whole generation for ``text_input`` as ``text_output``."""
+        """KServe inference: the whole generation for ``text_input`` as ``text_output``
+        (the ``priority`` parameter is vLLM's, as on the generation routes)."""
         params = sampling_from_parameters(parameters)
+        priority = parameter_priority(parameters)
         prompt = text_input(inputs, self.generation.prompt_bytes_limit)
-        seq = await self.prepare(params, prompt=prompt, client_id=client_id)
-        async with self.generate(seq, timeout_s, client_id, arrival=arrival) as req:
+        seq = await self.prepare(params, prompt=prompt, client_id=client_id, priority=priority)
+        async with self.generate(
+            seq, timeout_s, client_id, arrival=arrival, priority=priority
+        ) as req:
             text, _ = await req.collect()
         return {TEXT_OUTPUT: text_tensor(text)}
 
@@ -384,6 +402,33 @@ def generation_body_limit(registry: ModelRegistry) -> int:
     for a request that names no model, which is then refused)."""
     limits = [body_limit(rt.generation) for rt in registry if isinstance(rt, Generator)]
     return max(limits, default=BODY_SLACK_BYTES)
+
+
+def request_priority(value: Any) -> int:
+    """A generation request's ``priority``, vLLM's: an integer within
+    :data:`PRIORITY_RANGE`, lower admitted first; None (absent) is 0. Anything
+    else (a bool, a float, a string) raises :class:`BadSetting` naming
+    ``priority``, its message reading after the name, as the sampling settings'."""
+    if value is None:
+        return 0
+    low, high = PRIORITY_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadSetting(
+            "priority",
+            f"must be an integer >= {low} and <= {high}, lower served first "
+            f"(got {reprlib.repr(value)})",
+        )
+    return value
+
+
+def parameter_priority(params: Mapping[str, Any] | None) -> int:
+    """The ``priority`` of KServe-style request parameters (Triton's generate
+    extension, ``/infer`` and ``ModelStreamInfer`` on a decoder model), checked
+    by :func:`request_priority`; InvalidArgument names the parameter."""
+    try:
+        return request_priority(None if params is None else params.get("priority"))
+    except BadSetting as exc:
+        raise InvalidArgument(f"parameter 'priority' {exc.message}") from None
 
 
 def text_input(inputs: Mapping[str, np.ndarray], limit_bytes: int | None = None) -> str:
