@@ -65,7 +65,7 @@ def test_the_quick_start_keeps_its_steps_in_order() -> None:
     readme = (ROOT / "README.md").read_text()
     start = readme.index("## Two commands")
     quick_start = readme[start : readme.index("\n## ", start)]
-    steps = ["scripts/serve\n", "scripts/test\n", "aserve serve models/linear.pt",
+    steps = ["scripts/serve\n", "scripts/test\n", "aserve serve models/linear.pt2",
              "/v1/chat/completions", "aserve new demo", "aserve archive demo",
              "aserve serve demo.aserve"]  # fmt: skip
     where = [quick_start.find(step) for step in steps]
@@ -80,16 +80,16 @@ def test_a_model_file_served_in_one_command(tmp_path: Path) -> None:
     python = _argv(make.split("&& ", 1)[1])
     subprocess.run(python, cwd=tmp_path, check=True, timeout=120)
     argv = _argv(serve)[3:]  # after: python -m aserve
-    assert argv[:2] == ["serve", "models/linear.pt"], serve
+    assert argv[:2] == ["serve", "models/linear.pt2"], serve
     argv[1] = str(tmp_path / argv[1])
     server = start_server(None, argv=[*argv, "--port", "0", "--no-grpc"])
     try:
         url, body = _curl(curl, server.port)
         out = _post(url, body)["outputs"][0]
-        model = torch.jit.load(str(tmp_path / "models" / "linear.pt"))
+        model = torch.export.load(str(tmp_path / "models" / "linear.pt2")).module()
         x = np.array(json.loads(body)["inputs"][0]["data"], np.float32).reshape(1, 4)
         want = model(torch.from_numpy(x)).detach().numpy().ravel()
-        assert out["name"] == "y" and out["shape"] == [1, 2]
+        assert out["name"] == "OUTPUT0" and out["shape"] == [1, 2]
         np.testing.assert_allclose(out["data"], want, rtol=1e-5, atol=1e-6)
     finally:
         server.stop()

@@ -445,9 +445,15 @@ class ModelConfig(_Frozen):
             raise ValueError(
                 "a decoder model's tensors are fixed (text_input -> text_output): remove this key"
             )
-        # An onnx model's tensors may be left out: they are read from the model file.
-        if engine is not None and engine not in ("decoder", "onnx") and not specs:
-            raise ValueError(f"required with engine '{engine}': list at least one tensor")
+        # An onnx model's tensors may be left out, and a torch.export program's (.pt2):
+        # they are read from the model file.
+        path = info.data.get("path") or ""
+        from_file = engine == "onnx" or (engine == "torch" and path.endswith(".pt2"))
+        if engine is not None and engine != "decoder" and not from_file and not specs:
+            hint = " (a .pt2 program carries its own)" if engine == "torch" else ""
+            raise ValueError(
+                f"required with engine '{engine}': list at least one tensor{hint}"
+            )
         return specs
 
     @field_validator("batching", "instances", "generation", "dtype")

@@ -26,6 +26,8 @@ from aserve.config import ModelConfig
 from aserve.engines import cuda_graphs
 from aserve.engines.base import Engine
 from aserve.engines.export_file import load_exported_program
+from aserve.engines.export_io import export_tensors
+from aserve.engines.io_specs import reconcile
 from aserve.types.tensors import numpy_dtype
 
 log = logging.getLogger("aserve.engines.torch")
@@ -76,6 +78,7 @@ class TorchEngine(Engine):
             raise FileNotFoundError(f"model file not found: {path}")
         if path.suffix == ".pt2":
             program = load_exported_program(path)
+            self._tensors_from(program)
             module = program.module()
             self._module = module.to(self.device)
         else:
@@ -86,6 +89,34 @@ class TorchEngine(Engine):
                 module = torch.jit.load(str(path), map_location=self.device)
             module.eval()
             self._module = module
+
+    def load_front(self) -> None:
+        """In worker processes' server: a ``.pt2`` whose config lists no tensors has
+        them read here, from the program (loaded for that alone, then dropped)."""
+        cfg, path = self.config, self.model_path
+        if path.suffix == ".pt2" and not (cfg.inputs and cfg.outputs):
+            self._tensors_from(load_exported_program(path))
+
+    def _tensors_from(self, program: Any) -> None:
+        """Serve the tensors the program declares where the config lists none (a
+        ``.pt2`` carries them, as an ONNX file does); those it lists are checked
+        against the program's."""
+        cfg = self.config
+        if cfg.inputs and cfg.outputs:
+            return
+        max_batch = cfg.batching.max_batch_size
+        ins, outs = export_tensors(program, max_batch)
+        inputs = reconcile("inputs", cfg.inputs, ins, max_batch)
+        outputs = reconcile("outputs", cfg.outputs, outs, max_batch)
+        log.info(
+            "model %s: tensors from the program: inputs %s, outputs %s", cfg.name,
+            ", ".join(f"{s.name} {s.datatype} {s.shape}" for s in inputs),
+            ", ".join(f"{s.name} {s.datatype} {s.shape}" for s in outputs),
+        )  # fmt: skip
+        # The served specs from here on (ModelRuntime and the executor read them).
+        self.config = cfg.model_copy(update={"inputs": inputs, "outputs": outputs})
+        self._in_names = [s.name for s in inputs]
+        self._out_names = [s.name for s in outputs]
 
     def create_instance(self, index: int) -> _Instance:
         # Intra-op threads are set per thread: each instance thread runs its own pool.
