@@ -317,10 +317,13 @@ class Generator(Runtime):
         prompt: str | list[int] | None = None,
         messages: Sequence[Mapping[str, Any]] | None = None,
         client_id: str | None = None,
+        *,
+        priority: int = 0,
     ) -> EngineSequence:
         """Tokenize ``prompt`` (or render ``messages``) and validate the request;
         refusals (InvalidArgument, TooLarge, QueueFull, Unavailable) raise here,
-        before anything is queued."""
+        before anything is queued. ``priority`` (vLLM's, lower first) decides
+        whether a full queue has room for it."""
 
     @abc.abstractmethod
     def generate(
@@ -330,11 +333,13 @@ class Generator(Runtime):
         client_id: str | None = None,
         *,
         arrival: float | None = None,
+        priority: int = 0,
     ) -> GenerationRequest:
         """Queue a prepared sequence: its stream (a context manager and an async
         iterator of deltas), or a refusal at once (QueueFull, Unavailable,
         DeadlineExceeded). Its deadline counts from ``arrival``, as
-        :meth:`Runtime.infer`'s does."""
+        :meth:`Runtime.infer`'s does; ``priority`` (vLLM's: lower first) orders
+        it among the waiting ones."""
 
     @abc.abstractmethod
     def end_streams(self) -> None:
