@@ -1,12 +1,15 @@
 """scripts/setup: runtime or dev install, and no pip at all when up to date.
 
 The script runs on a copy of what it reads, with a ``.venv/bin/python`` that
-only logs how it was called: each pip call is seen, nothing is installed.
+only logs how it was called (and succeeds): each pip call is seen, nothing is
+installed. The shim answers the script's probe of PyTorch's CPU index too, so
+torch comes from that index, as on a machine that reaches it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,9 +20,12 @@ import pytest
 pytestmark = pytest.mark.timeout(60)
 
 REPO = Path(__file__).resolve().parent.parent
-TORCH = "torch==2.13.0"
-RUNTIME = [f"-m pip install -q {TORCH}", "-m pip install -q -e ."]
-DEV = [f"-m pip install -q {TORCH}", "-m pip install -q -e .[dev]"]
+SETUP = (REPO / "scripts" / "setup").read_text()
+TORCH = re.search(r'^TORCH="(torch==[^"]+)"$', SETUP, re.M).group(1)  # type: ignore[union-attr]
+CPU_INDEX = re.search(r'^CPU_INDEX="([^"]+)"$', SETUP, re.M).group(1)  # type: ignore[union-attr]
+TORCH_CALL = f"-m pip install -q --extra-index-url {CPU_INDEX} {TORCH}"
+RUNTIME = [TORCH_CALL, "-m pip install -q -e ."]
+DEV = [TORCH_CALL, "-m pip install -q -e .[dev]"]
 
 
 class Checkout:
@@ -44,7 +50,8 @@ class Checkout:
             env={**os.environ, "PYTHON": sys.executable},
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
-        return self.log.read_text().splitlines()[len(before) :], result.stderr
+        calls = self.log.read_text().splitlines()[len(before) :]
+        return [c for c in calls if c.startswith("-m pip")], result.stderr
 
 
 def test_setup_installs_once_per_kind_and_skips_pip_when_up_to_date(tmp_path):
@@ -65,6 +72,11 @@ def test_setup_installs_once_per_kind_and_skips_pip_when_up_to_date(tmp_path):
     assert repo.setup()[0] == []
     assert repo.setup("--dev")[0] == DEV
     assert repo.setup("--dev")[0] == []
+
+
+def test_the_torch_pin_is_the_cpu_build():
+    # "+cpu" exists only as the CPU build: no index can resolve it to a CUDA one.
+    assert TORCH.endswith("+cpu"), TORCH
 
 
 def test_serve_sets_up_the_runtime_kind_and_test_the_dev_kind():
