@@ -42,6 +42,7 @@ from aserve.frontends.grpc.server import GrpcFrontend
 from aserve.frontends.http.app import CUT_OFF_S, HttpFrontend
 from aserve.loop.device_scheduler import Devices
 from aserve.loop.loop_lag import LoopLag
+from aserve.loop.memory_budget import MemoryBudget
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
 from aserve.loop.runtimes.base import Generator
@@ -49,6 +50,7 @@ from aserve.loop.runtimes.factory import create_runtime
 from aserve.obs.device_metrics import DeviceCollector
 from aserve.obs.fd_limit import raise_open_file_limit
 from aserve.obs.loop_stall_metrics import LoopStallCollector
+from aserve.obs.memory_metrics import MemoryCollector
 from aserve.obs.metrics import Metrics
 from aserve.obs.registration import Listing, Registration
 from aserve.workers import supervisor
@@ -88,9 +90,12 @@ class Server:
                 self.api_keys = load_api_keys(config.auth, base_dir)
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
+        # Every load measured; on a device with a memory budget, made room for.
+        self.memory = MemoryBudget(self.registry, base_dir, config)
         self.reloader = Reloader(
-            self.registry, base_dir, config, source, self._state_value, self._models_swapped
-        )
+            self.registry, base_dir, config, source, self._state_value, self._models_swapped,
+            memory=self.memory,
+        )  # fmt: skip
         # Before the frontends, which count requests in it.
         self.metrics = Metrics(
             RequestMetrics(config.logging.access_log), self.registry, self.reloader.status.counts
@@ -120,6 +125,7 @@ class Server:
         names the models now served and every model runs on its device as the
         ``devices`` block says (before any await), then gRPC health follows."""
         self.config = self.config.model_copy(update={"models": served, "devices": devices})
+        self.memory.configure(self.config)
         self._share_devices()
         if self.grpc is not None:
             await self.grpc.update_health()
@@ -133,7 +139,8 @@ class Server:
         """Why the server is not ready, or None when it is."""
         if self.state is not ServerState.READY:
             return f"server is {self.state.value}"
-        down = [rt.label for rt in self.registry if not rt.ready]
+        # A model that loads on demand is not loaded until asked for: the server is ready without it.
+        down = [rt.label for rt in self.registry if not rt.ready and not rt.loads_on_demand]
         return f"model(s) not ready: {', '.join(down)}" if down else None
 
     def _listing(self) -> Listing:
@@ -154,14 +161,17 @@ class Server:
         await self.registration.publish()
         self._apply_gpu_settings()
         runtimes = [
-            create_runtime(m, self.base_dir, self.registry, self.config.gpu)
+            create_runtime(m, self.base_dir, self.registry, self.config.gpu, self.memory)
             for m in self.config.models
         ]
         timeouts = [self.config.load_timeout_of(rt.config) for rt in runtimes]
         with self.reloader.loading(runtimes, timeouts):
             try:
                 results = await asyncio.gather(
-                    *(rt.load_within(t) for rt, t in zip(runtimes, timeouts, strict=True)),
+                    *(
+                        self.memory.load_within(rt, t, why="startup")
+                        for rt, t in zip(runtimes, timeouts, strict=True)
+                    ),
                     return_exceptions=True,
                 )
             except asyncio.CancelledError:  # a signal: the loads were given up
@@ -184,6 +194,7 @@ class Server:
         self.metrics.start()
         self.metrics.registry.register(LoopStallCollector(LoopLag.of_running_loop().stalls))
         self.metrics.registry.register(DeviceCollector(self.devices.snapshot))
+        self.metrics.registry.register(MemoryCollector(self.memory.snapshot))
         if self.grpc is not None:
             await self.grpc.update_health()
         self.reloader.start()

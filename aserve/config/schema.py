@@ -433,9 +433,12 @@ class ModelConfig(_Frozen):
     request, which waits for it (``on_demand``; the server is ready without it).
     On a device with a ``memory_budget_mib``, an on-demand model idle the
     longest is unloaded when another needs its memory, and loads again at its
-    next request."""
+    next request; on a device without one it stays loaded once loaded (a lazy
+    load). Models loaded at startup count against the budget and are never
+    unloaded to make room. Not for pipelines and decoder models."""
     resident: bool = False
-    """Never unloaded to make room under the device's memory budget."""
+    """An on-demand model that, once loaded, is never unloaded to make room
+    under the device's memory budget (startup models never are)."""
 
     @field_validator("inputs", "outputs")
     @classmethod
@@ -513,6 +516,16 @@ class ModelConfig(_Frozen):
             )
         if engine == "pipeline" and self.path is not None:
             raise ValueError("path: a pipeline has no file; its steps name models")
+        if self.load == "on_demand" and engine in ("pipeline", "decoder"):
+            raise ValueError(
+                f"load: 'on_demand' is for models that run batches (engine '{engine}' loads "
+                "at startup; a pipeline's step models may load on demand)"
+            )
+        if self.load == "on_demand" and not (self.inputs and self.outputs):
+            raise ValueError(
+                "inputs, outputs: list them for a model with load 'on_demand': its requests "
+                "are checked against them before it loads"
+            )
         _check_accelerator_fields(self)
         return self
 

@@ -63,9 +63,11 @@ from aserve.engines.checks import check_model_files
 from aserve.errors import InternalError, NotFound, Unavailable
 from aserve.loop.archive_sweep import ArchiveSweeper
 from aserve.loop.changes import ChangeGivenUp, ChangeSlot
+from aserve.loop.memory_budget import MemoryBudget
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.runtimes.base import Runtime
 from aserve.loop.runtimes.factory import create_runtime
+from aserve.loop.runtimes.on_demand import OnDemandRuntime
 from aserve.workers.offload import run_off_loop
 
 log = logging.getLogger("aserve.reload")
@@ -187,8 +189,12 @@ class Reloader:
         source: ConfigSource | None,
         state: Callable[[], str],
         on_swapped: Callable[[list[ModelConfig], dict[str, DeviceConfig]], Awaitable[None]],
+        memory: MemoryBudget | None = None,
     ) -> None:
         self._registry = registry
+        # Loads through the server's memory budget (measured, made room for); None:
+        # loaded as they are, every model at once (a reloader on its own, in tests).
+        self._memory = memory
         self._base_dir = base_dir
         self._gpu = config.gpu
         self._drain_timeout_s = config.drain_timeout_s
@@ -204,6 +210,8 @@ class Reloader:
         interval = source.watch_interval_s if source is not None else 0.0
         self.status = ReloadStatus(source.path if source else None, digest, interval)
         self.unloaded: set[str] = set()  # names unloaded through the repository API
+        # On-demand models a repository load loaded: resident until a repository unload.
+        self.pinned: set[str] = set()
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()  # the watcher, SIGHUP checks
         self._retiring: set[asyncio.Task[None]] = set()  # drain-then-unload of old runtimes
@@ -413,13 +421,15 @@ class Reloader:
 
     # --- the repository API ---------------------------------------------------
 
-    def index(self, ready_only: bool = False) -> list[dict[str, str]]:
+    def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         """Every model version of the config in force, with its state (Triton's index)."""
         served = {(rt.name, rt.version): rt for rt in self._registry}
         out = []
         for m in sorted(self._file_config.models, key=lambda m: (m.name, int(m.version))):
             rt = served.get(m.key)
-            if rt is not None:
+            if isinstance(rt, OnDemandRuntime):  # routed, loaded or not
+                state, reason = rt.repository_state()
+            elif rt is not None:
                 state, reason = rt.state.value, ""
                 why = rt.not_ready_reason() if rt.state.value == "READY" else None
                 if why is not None:  # loaded, but cannot serve: a pipeline's step is gone, say
@@ -433,7 +443,13 @@ class Reloader:
                 state = "UNAVAILABLE"
             if ready_only and state != "READY":
                 continue
-            out.append({"name": m.name, "version": m.version, "state": state, "reason": reason})
+            entry: dict[str, Any] = {
+                "name": m.name, "version": m.version, "state": state, "reason": reason,
+            }  # fmt: skip
+            memory = self._memory.memory_of(m) if self._memory is not None else None
+            if memory is not None:  # aserve's own: the footprint and loads, once measured
+                entry["memory"] = memory
+            out.append(entry)
         return out
 
     async def load_model(self, name: str) -> None:
@@ -441,6 +457,8 @@ class Reloader:
         async with self._slot.hold(f"repository load '{name}'"):
             self._known(name)
             unloaded = self.unloaded - {name}
+            was_pinned = name in self.pinned
+            self.pinned.add(name)  # an on-demand model loads now and stays
             trigger = f"repository load '{name}'"
             self._sweeper.want()
             try:
@@ -451,14 +469,35 @@ class Reloader:
                 if again is not None:
                     await check_within(f"checking model '{name}'", again, self._check)
                 file_config = self._file_config if again is None else again
-                changes = await self._apply(file_config, unloaded, reload_names={name})
+                routed = self._on_demand_routed(file_config, name)
+                if routed:  # loaded in place, as they are, and pinned
+                    changes = await _pin_loaded(routed)
+                else:
+                    changes = await self._apply(file_config, unloaded, reload_names={name})
             except (ConfigError, ReloadRejected) as exc:
+                if not was_pinned:
+                    self.pinned.discard(name)
                 self._reject(trigger, str(exc))
                 raise InternalError(str(exc)) from None
             self._file_config = file_config
             self.unloaded = unloaded
             self.status.record(trigger, "ok", changes)
         log.info("%s: %s", trigger, _describe(changes))
+
+    def _on_demand_routed(self, file_config: ServerConfig, name: str) -> list[OnDemandRuntime]:
+        """The routed runtimes of ``name``, when every version of it in ``file_config``
+        is routed as an on-demand model of that very config (none otherwise): an
+        explicit load pins them and loads them where they are, rather than loading
+        a copy beside them, which a memory budget may have no room for."""
+        wanted = [m for m in file_config.models if m.name == name]
+        routed = {(rt.name, rt.version): rt for rt in self._registry if rt.name == name}
+        found = []
+        for m in wanted:
+            rt = routed.get(m.key)
+            if not isinstance(rt, OnDemandRuntime) or rt.config != m:
+                return []
+            found.append(rt)
+        return found
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
         """Unroute every version of ``name`` (and of the pipelines using it, if asked).
@@ -472,6 +511,7 @@ class Reloader:
             if unload_dependents:
                 names |= _dependents(self._file_config.models, name)
             unloaded = self.unloaded | names
+            self.pinned -= names
             for key in [k for k in self.failed if k[0] in names]:
                 del self.failed[key]  # unloaded is what the index says of them now
             changes = await self._apply(self._file_config, unloaded)  # only removals: cannot fail
@@ -521,11 +561,28 @@ class Reloader:
                 changes.reconfigured.append(rt_label(new))
                 continue
             (changes.added if how == "add" else changes.replaced).append(rt_label(new))
-            fresh.append((new, create_runtime(new, self._base_dir, registry, self._gpu)))
+            runtime = create_runtime(new, self._base_dir, registry, self._gpu, self._memory)
+            if isinstance(runtime, OnDemandRuntime) and new.name in self.pinned:
+                runtime.pin()  # loaded by _load_all, as a startup model is
+            fresh.append((new, runtime))
         removed = [rt for key, rt in current.items() if key not in want]
         changes.removed = [rt.label for rt in removed]
 
-        await self._load_all(fresh, where, file_config)
+        # An on-demand model being replaced may give its successor its room, even
+        # if resident (pinned), until the reload is given up.
+        fresh_keys = {m.key for m, _ in fresh}
+        leaving = [
+            rt for key, rt in current.items()
+            if key in fresh_keys and isinstance(rt, OnDemandRuntime)
+        ]  # fmt: skip
+        for rt in leaving:
+            rt.leaving(True)
+        try:
+            await self._load_all(fresh, where, file_config)
+        except BaseException:
+            for rt in leaving:
+                rt.leaving(False)
+            raise
         # From here to the swap, and on into the hook until its first await, there
         # is no await: requests see the old routing or the new one, never a mix,
         # and the server's config names the models served before anyone reads it.
@@ -550,9 +607,15 @@ class Reloader:
         runtimes = [rt for _, rt in fresh]
         timeouts = [file_config.load_timeout_of(m) for m, _ in fresh]
         with self._slot.loading(runtimes, timeouts):
+            memory = self._memory
             try:
                 results = await asyncio.gather(
-                    *(rt.load_within(t) for rt, t in zip(runtimes, timeouts, strict=True)),
+                    *(
+                        rt.load_within(t)
+                        if memory is None
+                        else memory.load_within(rt, t, why="reload")
+                        for rt, t in zip(runtimes, timeouts, strict=True)
+                    ),
                     return_exceptions=True,
                 )
             except asyncio.CancelledError:  # given up (a newer config) or the server stops
@@ -598,6 +661,22 @@ class Reloader:
             log.exception("unloading model %s failed", runtime.label)
             return
         log.info("model %s drained and unloaded", runtime.label)
+
+
+async def _pin_loaded(runtimes: list[OnDemandRuntime]) -> Changes:
+    """Pin on-demand runtimes and load those not loaded (an explicit load); when
+    one fails, ReloadRejected, each unpinned again (back to loading on demand)."""
+    results = await asyncio.gather(*(rt.load_pinned() for rt in runtimes), return_exceptions=True)
+    failed = [
+        f"model '{rt.label}' failed to load: {result}"
+        for rt, result in zip(runtimes, results, strict=True)
+        if isinstance(result, BaseException)
+    ]
+    if failed:
+        for rt in runtimes:
+            rt.unpin()
+        raise ReloadRejected("\n".join(failed))
+    return Changes(reconfigured=[rt.label for rt in runtimes])
 
 
 async def check_within(

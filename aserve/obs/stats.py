@@ -105,6 +105,8 @@ class ModelStats:
         self.batch_size = Histogram(BATCH_SIZE_BUCKETS)
         self.first_token_seconds = Histogram(TOKEN_LATENCY_BUCKETS_S)
         self.inter_token_seconds = Histogram(TOKEN_LATENCY_BUCKETS_S)
+        # Its footprint and loads (aserve.loop.device_memory.ModelMemory.doc), once loaded.
+        self.memory: dict[str, Any] | None = None
 
     def record_batch(
         self, size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int
@@ -160,4 +162,5 @@ class ModelStats:
             "rejected": dict(self.rejected),
             "timed_out": self.timed_out,
             "cancelled": self.cancelled,
+            **({"memory": self.memory} if self.memory is not None else {}),
         }

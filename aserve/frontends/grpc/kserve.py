@@ -162,7 +162,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         # Every model of the config, loaded or not, as over HTTP.
         response = pb.RepositoryIndexResponse()
         for entry in self._ctx.reloader.index(ready_only=request.ready):
-            response.models.add(**entry)
+            # The footprint (HTTP's "memory") has no field here: /metrics has it.
+            response.models.add(
+                name=entry["name"], version=entry["version"], state=entry["state"],
+                reason=entry["reason"],
+            )  # fmt: skip
         return response
 
     # --- inference ------------------------------------------------------------

@@ -147,6 +147,17 @@ class Runtime(abc.ABC):
             await asyncio.sleep(DRAIN_POLL_S)
         return True
 
+    def use_stats(self, stats: ModelStats) -> None:
+        """Count in ``stats`` from now on (called before :meth:`load`): an on-demand
+        model keeps one set of statistics across the runtimes of its loads."""
+        self.stats = stats
+
+    @property
+    def loads_on_demand(self) -> bool:
+        """Loaded at its first request (``"load": "on_demand"``), not at startup:
+        the server is ready without it (:mod:`aserve.loop.runtimes.on_demand`)."""
+        return False
+
     @property
     def worker_pids(self) -> list[int]:
         """The model's child processes (none unless it runs in some)."""

@@ -46,6 +46,7 @@ from aserve.loop.runtimes.base import ModelState, Runtime, batching_reconfigurab
 from aserve.loop.runtimes.batched import ModelRuntime
 from aserve.loop.runtimes.handler_threads import Spread, TimedStage, raw_post_threadsafe
 from aserve.obs.handler_metrics import MetricSet
+from aserve.obs.stats import ModelStats
 from aserve.types.tensors import numpy_dtype, shape_fits, shape_text
 from aserve.types.text import first_surrogate
 
@@ -100,6 +101,10 @@ class HandlerRuntime(Runtime):
     @property
     def worker_pids(self) -> list[int]:
         return self._batched.worker_pids
+
+    def use_stats(self, stats: ModelStats) -> None:
+        super().use_stats(stats)
+        self._batched.use_stats(stats)  # the batched middle counts the model's requests
 
     def not_ready_reason(self) -> str | None:
         return self.state_reason() or self._batched.not_ready_reason()
