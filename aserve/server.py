@@ -103,7 +103,7 @@ class Server:
         self.admission = Admission(config.limits.max_concurrency, self.metrics.requests.rejected)
         frontend = FrontendContext(
             config, base_dir, self.registry, self.admission, self.metrics, self.reloader,
-            self.api_keys, self.not_ready_reason, self.devices,
+            self.api_keys, self.not_ready_reason, self.devices, self.memory.snapshot,
         )  # fmt: skip
         self.http = HttpFrontend(frontend)
         self.grpc = GrpcFrontend(frontend) if config.grpc is not None else None

@@ -241,6 +241,7 @@ def test_dashboard_shows_live_traffic(
             page.wait_for_function(_BUSY_JS, arg=BUSY, timeout=45_000, polling=200)
             charts = {c["id"]: c for c in page.evaluate(_CHARTS_JS)}
             status_line = page.inner_text("#status")
+            no_devices = page.is_hidden("#devices")  # neither a shared device nor a budget
             shot = tmp_path / "dashboard.png"
             page.screenshot(path=str(shot), full_page=True)
         finally:
@@ -249,7 +250,7 @@ def test_dashboard_shows_live_traffic(
     shutil.copyfile(shot, SCREENSHOT_COPY)
 
     assert problems == [] and traffic == []
-    assert status_line.startswith("updated")
+    assert status_line.startswith("updated") and no_devices
     for id in BUSY:
         c = charts[id]
         assert c["samples"] >= 4 and float(c["last"]) > 0, c
@@ -492,3 +493,188 @@ _HISTORY_JS = """() => Object.fromEntries([...document.querySelectorAll('svg[dat
     e => [e.dataset.chart, {...e.dataset, line: (e.querySelector('path.line') || {}).getAttribute?.('d') || ''}]))"""
 _TICKS_JS = """(id) => [...document.querySelector(`svg[data-chart="${id}"]`).closest('.card')
     .querySelectorAll('.axis span')].map(e => e.textContent)"""
+
+
+# --- shared devices and memory budgets ---------------------------------------------------
+
+BUDGET_MIB = 2048
+SLEEPER = {
+    "inputs": [{"name": "X", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}],
+}
+
+
+def sleeper(name: str) -> dict[str, Any]:
+    """A python handler taking about 10 ms a batch, so that its bars are wide enough to see."""
+    return {
+        "name": name, "engine": "python", "handler": "sleeper:Sleeper",
+        "parameters": {"sleep_ms": 10},
+        "inputs": [spec("X", "FP32", [2])], "outputs": [spec("Y", "FP32", [1])],
+        "batching": {"max_batch_size": 4, "max_delay_ms": 1},
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Two models on one shared slot of the CPU, under a memory budget; the ring sampled at 2 Hz."""
+    folder = tmp_path_factory.mktemp("dashboard-shared")
+    copy_handler(folder, "sleeper")
+    config = {
+        "dashboard": {"history_s": HISTORY_S, "sample_interval_s": 0.5},
+        "devices": {"cpu": {"scheduling": "shared", "slots": 1, "memory_budget_mib": BUDGET_MIB}},
+        "models": [sleeper("alpha"), sleeper("beta")],
+    }
+    srv = start_server(write_config(folder, config))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def shared_traffic(shared_server: ServerProcess) -> Iterator[list[str]]:
+    """Both models asked without pause (two threads each) until the test ends; yields failures."""
+    stop = threading.Event()
+    failures: list[str] = []
+
+    def send(name: str) -> None:
+        deadline = time.monotonic() + 90  # bounded, whatever the test does
+        while not stop.is_set() and time.monotonic() < deadline:
+            status, answer = post(f"{shared_server.base}/v2/models/{name}/infer", SLEEPER)
+            if status != 200:
+                failures.append(f"{name}: {status} {answer}")
+
+    threads = [threading.Thread(target=send, args=(n,), daemon=True) for n in ("alpha", "beta") * 2]
+    for t in threads:
+        t.start()
+    yield failures
+    stop.set()
+    for t in threads:
+        t.join(10)
+
+
+def wait_timeline(base: str, labels: set[str], timeout: float = 60) -> dict[str, Any]:
+    """The stats once the shared device's timeline holds batches of every model of ``labels``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        doc = stats(base)
+        if doc["devices"] and labels <= {row[0] for row in doc["devices"][0]["timeline"]}:
+            return doc
+        assert time.monotonic() < deadline, f"the timeline never held {labels}: {doc['devices']}"
+        time.sleep(0.1)
+
+
+def test_stats_show_the_shared_device_and_its_memory(
+    shared_server: ServerProcess, shared_traffic: list[str]
+) -> None:
+    doc = wait_timeline(shared_server.base, {"alpha/1", "beta/1"})
+    (device,) = doc["devices"]
+    assert (device["name"], device["scheduling"], device["slots"]) == ("cpu", "shared", 1)
+    assert device["members"] == ["alpha/1", "beta/1"]
+    assert 0 <= device["busy"] <= 1 and 0 <= device["waiting"] <= 2
+    for model, started, ended, size in device["timeline"]:
+        assert model in ("alpha/1", "beta/1") and started <= ended <= doc["t"] and 1 <= size <= 4
+    # One slot: the device never ran two batches at once.
+    runs = sorted(device["timeline"], key=lambda r: r[1])
+    assert all(a[2] <= b[1] for a, b in pairwise(runs)), runs
+
+    memory = doc["memory"]
+    (cpu,) = [d for d in memory["devices"] if d["name"] == "cpu"]
+    models = {m["name"]: m for m in memory["models"]}
+    assert set(models) == {"alpha", "beta"}
+    for m in models.values():
+        assert (m["version"], m["device"], m["state"]) == ("1", "cpu", "READY")
+        assert (m["loads"]["ok"], m["loads"]["failed"], m["evictions"]) == (1, 0, 0)
+        assert m["footprint_mib"] >= 0
+        assert "load_seconds" not in m  # an object of /metrics', not JSON
+    # What the device holds is its loaded models' footprints, within the budget.
+    assert cpu["budget_mib"] == BUDGET_MIB
+    held = sum(m["footprint_mib"] for m in models.values())
+    assert cpu["used_mib"] == pytest.approx(held) and cpu["used_mib"] <= BUDGET_MIB
+
+    # The history ring's snapshots carry the devices without their timelines.
+    ring = wait_history(shared_server.base, 1.0)["history"]
+    with_devices = [h for h in ring if h["devices"]]
+    assert with_devices and all("timeline" not in d for h in with_devices for d in h["devices"])
+    assert shared_traffic == []
+
+
+_STRIP_JS = """(labels) => {
+    const card = document.querySelector('#devices .dev[data-device="cpu"]');
+    const strip = card && card.querySelector('svg.strip[data-drawn]');
+    const mem = card && card.querySelector('.mem[data-budget]');
+    return !!strip && !!mem && labels.every(l => {
+        const e = card.querySelector(`.legend [data-model="${l}"]`);
+        return e && +e.dataset.bars >= 1;
+    });
+}"""
+_DEVICE_JS = """() => {
+    const card = document.querySelector('#devices .dev[data-device="cpu"]');
+    const strip = card.querySelector('svg.strip');
+    return {
+        hidden: card.closest('#devices').hidden,
+        bars: +strip.dataset.bars,
+        rows: strip.getAttribute('viewBox'),
+        rects: [...strip.querySelectorAll('rect')].map(r => ({
+            model: r.querySelector('title').textContent.split(':')[0], fill: r.getAttribute('fill'),
+            x: +r.getAttribute('x'), width: +r.getAttribute('width')})),
+        legend: [...card.querySelectorAll('.legend [data-model]')].map(e => ({
+            model: e.dataset.model, bars: +e.dataset.bars,
+            color: getComputedStyle(e.querySelector('i')).backgroundColor})),
+        slots: card.querySelector('.top .val').textContent,
+        memory: {...card.querySelector('.mem').dataset,
+                 text: card.querySelector('.mem').innerText,
+                 width: card.querySelector('.mem .bar div').style.width},
+    };
+}"""
+
+
+def rgb(hex_colour: str) -> str:
+    r, g, b = (int(hex_colour[i : i + 2], 16) for i in (1, 3, 5))
+    return f"rgb({r}, {g}, {b})"
+
+
+def test_page_draws_the_shared_device_strip_and_memory(
+    shared_server: ServerProcess, shared_traffic: list[str], tmp_path: Path
+) -> None:
+    sync_playwright = chromium()
+    base = shared_server.base
+    labels = ["alpha/1", "beta/1"]
+    wait_timeline(base, set(labels))  # both models have run on the device before the page opens
+    problems: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+            page.on(
+                "console",
+                lambda m: problems.append(f"console: {m.text}") if m.type == "error" else None,
+            )
+            page.goto(base + "/")
+            page.wait_for_function(_STRIP_JS, arg=labels, timeout=45_000, polling=200)
+            shown = page.evaluate(_DEVICE_JS)
+            shot = tmp_path / "dashboard-devices.png"
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    SCREENSHOT_COPY.parent.mkdir(exist_ok=True)
+    shutil.copyfile(shot, SCREENSHOT_COPY.with_name("dashboard-devices.png"))
+    assert problems == [] and shared_traffic == []
+
+    assert shown["hidden"] is False
+    assert shown["rows"] == "0 0 300 18"  # one slot: one row
+    assert re.fullmatch(r"[01] of 1 slot\(s\) busy · [012] model\(s\) waiting", shown["slots"])
+    # The legend names both models, each with its own colour, and its bars wear it.
+    legend = {e["model"]: e for e in shown["legend"]}
+    assert list(legend) == labels
+    assert len({e["color"] for e in legend.values()}) == 2
+    assert shown["bars"] == len(shown["rects"]) == sum(e["bars"] for e in legend.values())
+    for label in labels:
+        fills = {r["fill"] for r in shown["rects"] if r["model"] == label}
+        assert len(fills) == 1 and rgb(fills.pop()) == legend[label]["color"]
+        assert sum(r["model"] == label for r in shown["rects"]) == legend[label]["bars"] >= 1
+    assert all(0 <= r["x"] <= 300 and r["width"] > 0 for r in shown["rects"])
+
+    mem = shown["memory"]
+    assert int(mem["budget"]) == BUDGET_MIB and 0 <= float(mem["used"]) <= BUDGET_MIB
+    assert f"of {BUDGET_MIB} MiB" in mem["text"]
+    assert "alpha/1" in mem["text"] and "beta/1" in mem["text"]  # each model's footprint
+    assert mem["width"].endswith("%")

@@ -5,8 +5,8 @@ the HTTP and gRPC frontends).
 and gRPC frontends instead of the whole ``Server``: the model registry
 (routing), the admission (``limits.max_concurrency``), the metrics, the
 reloader (Triton's repository routes), the API keys, the config the server
-started with and why the server is not ready. Everything in it is used on
-the loop.
+started with, why the server is not ready, the shared devices and the memory
+budget's snapshot. Everything in it is used on the loop.
 
 ``config`` is a snapshot taken at start: the settings frontends read
 (``limits``, ``http``, ``grpc``, ``tls``, ``auth``, ``dashboard``) change
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aserve.config import ServerConfig
@@ -42,3 +42,6 @@ class FrontendContext:
     api_keys: ApiKeys | None
     not_ready_reason: Callable[[], str | None]  # why the server is not ready, None when it is
     devices: Devices  # the shared devices' schedulers (what the dashboard shows of them)
+    # The memory budget's snapshot (each device's budget and use, each model's loads);
+    # None: a server without one (the dashboard shows no memory then).
+    memory: Callable[[], dict[str, Any]] | None = None

@@ -15,6 +15,10 @@ which the page asks for once, so that it shows the last ``dashboard.history_s``
 seconds from the moment it opens. A python handler's custom metrics come
 summed for the charts (a counter's total, a histogram's buckets over every
 label value, a gauge's first three series); ``/metrics`` has every series.
+Each shared device comes with its slots, its waiting models and its last
+batches (the page's strip of which model ran when, drawn from the live poll;
+the ring's snapshots leave the batches out), and each device with a memory
+budget with what its models hold against it.
 
 Auth: ``/`` carries no data, and the stats say no more than ``/metrics``;
 both are in ``auth.open_paths`` by default, as ``/metrics`` is. An operator
@@ -27,6 +31,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +56,12 @@ GAUGE_SERIES = 3  # a gauge's series the page draws (it has three colours)
 def add_dashboard_routes(kit: RouteKit, ctx: FrontendContext) -> None:
     page = resources.files("aserve.frontends.http").joinpath("dashboard.html").read_bytes()
     cfg = ctx.config.dashboard
-    history = DashboardHistory(lambda: dashboard_stats(ctx), cfg.history_s, cfg.sample_interval_s)
+    # The ring's snapshots leave the devices' timelines out: the page draws the strip
+    # from the live poll only, and 512 batches a device in each of its snapshots would
+    # make the ring megabytes.
+    history = DashboardHistory(
+        lambda: dashboard_stats(ctx, timeline=False), cfg.history_s, cfg.sample_interval_s
+    )
     kit.app.cleanup_ctx.append(history.lifetime)
 
     async def dashboard(request: web.Request) -> web.Response:
@@ -79,8 +89,9 @@ def add_dashboard_routes(kit: RouteKit, ctx: FrontendContext) -> None:
     kit.route("GET", STATS_PATH, stats)
 
 
-def dashboard_stats(ctx: FrontendContext) -> dict[str, Any]:
-    """One snapshot: cumulative counters and gauges per model, the process and its GPUs."""
+def dashboard_stats(ctx: FrontendContext, timeline: bool = True) -> dict[str, Any]:
+    """One snapshot: cumulative counters and gauges per model, the process, its GPUs, the
+    shared devices (with ``timeline``: the last batches each ran) and the memory budgets."""
     # Answered requests per model version, all protocols: (all, not ok).
     answered: dict[tuple[str, str], list[int]] = {}
     for (model, version, _protocol, status), n in ctx.metrics.requests.counts.items():
@@ -142,7 +153,8 @@ def dashboard_stats(ctx: FrontendContext) -> dict[str, Any]:
             "child_processes": len(child_pids),  # included in cpu_seconds and rss_bytes
         },
         # Shared devices: slots busy, who waits, the last batches each slot ran.
-        "devices": ctx.devices.snapshot(timeline=True),
+        "devices": ctx.devices.snapshot(timeline=timeline),
+        "memory": memory_stats(ctx.memory),
         "gpus": [
             {
                 "index": index,
@@ -153,6 +165,26 @@ def dashboard_stats(ctx: FrontendContext) -> dict[str, Any]:
             }
             for index, uuid, util, used, size in ctx.metrics.nvml.samples
         ],
+    }
+
+
+# What the stats carry of each model in the memory budget's snapshot (its load time
+# histogram stays on /metrics: it is an object, not JSON).
+MEMORY_MODEL_FIELDS = ("name", "version", "device", "state", "footprint_mib", "loads", "evictions")
+
+
+def memory_stats(snapshot: Callable[[], dict[str, Any]] | None) -> dict[str, Any]:
+    """Each device's memory budget (None: none) and the MiB its loaded models hold, and
+    each model's last measured footprint, state, loads and evictions."""
+    if snapshot is None:
+        return {"devices": [], "models": []}
+    doc = snapshot()
+    return {
+        "devices": [
+            {"name": d["name"], "budget_mib": d["budget_mib"], "used_mib": d["used_mib"]}
+            for d in doc["devices"]
+        ],
+        "models": [{k: m[k] for k in MEMORY_MODEL_FIELDS} for m in doc["models"]],
     }
 
 
