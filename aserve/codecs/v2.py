@@ -24,6 +24,15 @@ import numpy as np
 import orjson
 
 from aserve.codecs.binary import CHUNK, tensor_to_bytes
+from aserve.codecs.shm import (
+    REGION,
+    OutputTarget,
+    Release,
+    SharedMemory,
+    acquire,
+    release_all,
+    write_output,
+)
 from aserve.codecs.validate import (
     add_shape,
     check_input,
@@ -71,6 +80,15 @@ class DecodedRequest:
     timeout_s: float | None
     parameters: dict[str, Any] | None
     pending: list[tuple[str, Callable[[], np.ndarray]]] = field(default_factory=list)
+    # Requested outputs that go into the client's shared memory, by name.
+    shm_outputs: dict[str, OutputTarget] | None = None
+    # The uses of shared memory regions this request holds (aserve.codecs.shm): the
+    # frontend ends them with release_shared_memory() once the answer is encoded.
+    shm_held: list[Release] = field(default_factory=list)
+
+    def release_shared_memory(self) -> None:
+        """End this request's uses of shared memory regions (after its answer)."""
+        release_all(self.shm_held)
 
     def decode_pending(self) -> None:
         """Decode what ``pending`` holds into ``inputs`` (raises the data's errors)."""
@@ -101,13 +119,41 @@ def decode_request(
     *,
     max_elements: int | None = None,
     defer: bool = False,
+    shm: SharedMemory | None = None,
 ) -> DecodedRequest:
     """Parse and validate one ``/infer`` body.
 
     ``max_elements`` is ``limits.max_tensor_elements``. With ``defer``, data
     that is much work to decode is left in ``pending`` (see
-    :class:`DecodedRequest`); without it, everything is decoded here.
+    :class:`DecodedRequest`); without it, everything is decoded here. ``shm``:
+    the registered shared memory regions (None: a tensor that names one is
+    refused); the request holds the regions it uses until
+    :meth:`DecodedRequest.release_shared_memory`, or until this raises.
     """
+    held: list[Release] = []
+    try:
+        return _decode(
+            body, header_length, model, input_specs, output_specs, max_batch_size,
+            variable_shapes, max_elements, defer, shm, held,
+        )  # fmt: skip
+    except BaseException:
+        release_all(held)
+        raise
+
+
+def _decode(
+    body: bytes,
+    header_length: str | None,
+    model: str,
+    input_specs: Mapping[str, TensorSpec],
+    output_specs: Mapping[str, TensorSpec],
+    max_batch_size: int,
+    variable_shapes: bool,
+    max_elements: int | None,
+    defer: bool,
+    shm: SharedMemory | None,
+    held: list[Release],
+) -> DecodedRequest:
     binary: memoryview | None = None
     header: bytes | memoryview = body
     if header_length is not None:
@@ -148,7 +194,7 @@ def decode_request(
     offset = 0
     for i, item in enumerate(raw_inputs):
         name, shape, decode, used, big = _decode_input(
-            i, item, input_specs, binary, offset, model, max_batch_size, max_elements
+            i, item, input_specs, binary, offset, model, max_batch_size, max_elements, shm, held
         )
         offset += used
         add_shape(shapes, name, shape)
@@ -166,13 +212,13 @@ def decode_request(
         shapes, input_specs, model, max_batch_size, variable_shapes
     )
 
-    outputs = None
+    outputs = shm_outputs = None
     raw_outputs = doc.get("outputs")
     if raw_outputs is not None:
-        outputs = _requested_outputs(raw_outputs, output_specs, model)
+        outputs, shm_outputs = _requested_outputs(raw_outputs, output_specs, model, shm, held)
     return DecodedRequest(
         inputs, batch_size, shape_key, client_id, outputs, binary_default, timeout_s, params,
-        pending,
+        pending, shm_outputs, held,
     )  # fmt: skip
 
 
@@ -194,6 +240,8 @@ def _decode_input(
     model: str,
     max_batch_size: int,
     max_elements: int | None,
+    shm: SharedMemory | None,
+    held: list[Release],
 ) -> tuple[str, list[int], Callable[[], np.ndarray], int, bool]:
     """One input tensor's header, checked.
 
@@ -214,6 +262,19 @@ def _decode_input(
     )
     datatype = spec.datatype
     size = params.get("binary_data_size") if params is not None else None
+
+    if params is not None and REGION in params:
+        region, _, view = acquire(shm, params, f"input '{name}'", held)
+        if size is not None or "data" in item:
+            raise InvalidArgument(
+                f"input '{name}' names a shared memory region and also carries data; "
+                "give one or the other"
+            )
+        big = count > OFF_LOOP_ELEMENTS and datatype in ("BYTES", "BOOL")
+        # Read in place: a read-only view, so that no model writes into the client's memory.
+        source = f"shared memory (region '{region}')"
+        decode = partial(tensor_from_bytes, name, datatype, shape, count, view.toreadonly(), source)
+        return name, shape, decode, 0, big
 
     if size is not None:
         if binary is None:
@@ -251,11 +312,16 @@ def _decode_input(
 
 
 def _requested_outputs(
-    raw: Any, specs: Mapping[str, TensorSpec], model: str
-) -> list[tuple[str, bool | None]]:
+    raw: Any,
+    specs: Mapping[str, TensorSpec],
+    model: str,
+    shm: SharedMemory | None,
+    held: list[Release],
+) -> tuple[list[tuple[str, bool | None]], dict[str, OutputTarget] | None]:
     if not isinstance(raw, list):
         raise InvalidArgument("field 'outputs' must be a list")
     out: list[tuple[str, bool | None]] = []
+    targets: dict[str, OutputTarget] | None = None
     for i, item in enumerate(raw):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise InvalidArgument(f"outputs[{i}] must be an object with a string 'name'")
@@ -271,8 +337,12 @@ def _requested_outputs(
                 raise InvalidArgument(
                     f"output '{name}': parameter 'binary_data' must be true or false"
                 )
+            if REGION in params:
+                region, offset, view = acquire(shm, params, f"output '{name}'", held)
+                targets = targets or {}
+                targets[name] = OutputTarget(region, offset, view)
         out.append((name, binary))
-    return out
+    return out, targets
 
 
 def encode_response(
@@ -288,11 +358,15 @@ def encode_response(
     )
     entries = []
     chunks = []
+    targets = req.shm_outputs
     for name, binary in selection:
         arr = outputs[name]
         datatype = output_specs[name].datatype
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
-        if binary if binary is not None else req.binary_default:
+        target = targets.get(name) if targets else None
+        if target is not None:  # written into the client's region; the answer says where
+            entry["parameters"] = target.parameters(write_output(name, arr, target))
+        elif binary if binary is not None else req.binary_default:
             raw = tensor_to_bytes(arr)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)

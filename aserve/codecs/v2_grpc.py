@@ -18,6 +18,17 @@ import numpy as np
 
 from aserve._proto import grpc_service_pb2 as pb
 from aserve.codecs.binary import CHUNK, tensor_to_bytes
+from aserve.codecs.shm import (
+    BYTE_SIZE,
+    OFFSET,
+    REGION,
+    OutputTarget,
+    Release,
+    SharedMemory,
+    acquire,
+    release_all,
+    write_output,
+)
 from aserve.codecs.v2 import OFF_LOOP_ELEMENTS, DecodedRequest
 from aserve.codecs.validate import (
     add_shape,
@@ -73,27 +84,58 @@ def decode_infer_request(
     *,
     max_elements: int | None = None,
     defer: bool = False,
+    shm: SharedMemory | None = None,
 ) -> DecodedRequest:
-    """Validate one ModelInferRequest; ``binary_default`` says it came raw.
+    """Validate one ModelInferRequest; ``binary_default`` says it came raw (or
+    used shared memory: the answer is raw then too, as tritonclient reads it).
 
-    ``max_elements`` and ``defer`` as for :func:`aserve.codecs.v2.decode_request`:
-    with ``defer``, tensors of many elements are left in ``pending``.
+    ``max_elements``, ``defer`` and ``shm`` as for
+    :func:`aserve.codecs.v2.decode_request`: with ``defer``, tensors of many
+    elements are left in ``pending``. ``raw_input_contents`` holds one entry per
+    input that is not in shared memory, in order (what tritonclient sends).
     """
+    held: list[Release] = []
+    try:
+        return _decode(
+            msg, model, input_specs, output_specs, max_batch_size, variable_shapes,
+            max_elements, defer, shm, held,
+        )  # fmt: skip
+    except BaseException:
+        release_all(held)
+        raise
+
+
+def _decode(
+    msg: pb.ModelInferRequest,
+    model: str,
+    input_specs: Mapping[str, TensorSpec],
+    output_specs: Mapping[str, TensorSpec],
+    max_batch_size: int,
+    variable_shapes: bool,
+    max_elements: int | None,
+    defer: bool,
+    shm: SharedMemory | None,
+    held: list[Release],
+) -> DecodedRequest:
     params = parameters_dict(msg.parameters) if msg.parameters else None
     timeout_s = request_timeout(params) if params else None
     if not msg.inputs:
         raise InvalidArgument("field 'inputs' must list at least one tensor")
     raw = msg.raw_input_contents
     if raw and len(raw) != len(msg.inputs):
-        raise InvalidArgument(
-            f"raw_input_contents has {len(raw)} entries but the request has "
-            f"{len(msg.inputs)} inputs; give one per input, in order"
-        )
+        in_shm = sum(REGION in t.parameters for t in msg.inputs)
+        if len(raw) != len(msg.inputs) - in_shm:
+            raise InvalidArgument(
+                f"raw_input_contents has {len(raw)} entries but the request has "
+                f"{len(msg.inputs) - in_shm} inputs not in shared memory; give one per "
+                "input, in order"
+            )
+    next_raw = 0  # the raw_input_contents entry of the next input not in shared memory
     shapes: dict[str, list[int]] = {}
     inputs: dict[str, np.ndarray] = {}
     pending: list[tuple[str, Callable[[], np.ndarray]]] = []
     heavy = False
-    for i, tensor in enumerate(msg.inputs):
+    for tensor in msg.inputs:
         name = tensor.name
         tensor_params = parameters_dict(tensor.parameters) if tensor.parameters else None
         shape = list(tensor.shape)
@@ -102,16 +144,35 @@ def decode_infer_request(
             max_elements,
         )  # fmt: skip
         job: Callable[[], np.ndarray]
-        if raw:
+        if tensor_params is not None and REGION in tensor_params:
+            region, _, view = acquire(shm, tensor_params, f"input '{name}'", held)
+            if tensor.HasField("contents"):
+                raise InvalidArgument(
+                    f"input '{name}' names a shared memory region and also sets contents; "
+                    "give one or the other"
+                )
+            # Read in place: a read-only view, so that no model writes into the client's memory.
+            job = partial(
+                tensor_from_bytes, name, spec.datatype, shape, count, view.toreadonly(),
+                f"shared memory (region '{region}')",
+            )  # fmt: skip
+            big = count > OFF_LOOP_ELEMENTS and spec.datatype in ("BYTES", "BOOL")
+        elif raw:
+            if next_raw == len(raw):
+                raise InvalidArgument(
+                    f"input '{name}' has no raw_input_contents entry (there are {len(raw)}); "
+                    "give one per input not in shared memory, in order"
+                )
             if tensor.HasField("contents"):
                 raise InvalidArgument(
                     f"input '{name}' sets contents while the request uses raw_input_contents; "
                     "use one or the other for every input"
                 )
             job = partial(
-                tensor_from_bytes, name, spec.datatype, shape, count, raw[i],
-                f"raw_input_contents[{i}]",
+                tensor_from_bytes, name, spec.datatype, shape, count, raw[next_raw],
+                f"raw_input_contents[{next_raw}]",
             )  # fmt: skip
+            next_raw += 1
             big = count > OFF_LOOP_ELEMENTS and spec.datatype in ("BYTES", "BOOL")
         else:
             contents = tensor.contents if tensor.HasField("contents") else None
@@ -123,19 +184,28 @@ def decode_infer_request(
             pending.append((name, job))
         else:
             inputs[name] = job()
+    if raw and next_raw != len(raw):
+        raise InvalidArgument(
+            f"raw_input_contents has {len(raw)} entries but {next_raw} inputs not in "
+            "shared memory; give one per input not in shared memory, in order"
+        )
     batch_size, shape_key = check_shapes(
         shapes, input_specs, model, max_batch_size, variable_shapes
     )
-    outputs = None
+    outputs = targets = None
     if msg.outputs:
         outputs = []
         for out in msg.outputs:
             out_params = parameters_dict(out.parameters) if out.parameters else None
             check_output(out.name, out_params, output_specs, model)
+            if out_params is not None and REGION in out_params:
+                region, offset, view = acquire(shm, out_params, f"output '{out.name}'", held)
+                targets = targets or {}
+                targets[out.name] = OutputTarget(region, offset, view)
             outputs.append((out.name, None))
     return DecodedRequest(
-        inputs, batch_size, shape_key, msg.id or None, outputs, bool(raw), timeout_s, params,
-        pending,
+        inputs, batch_size, shape_key, msg.id or None, outputs, bool(raw or held), timeout_s,
+        params, pending, targets, held,
     )  # fmt: skip
 
 
@@ -211,11 +281,21 @@ def encode_infer_response(
     response = pb.ModelInferResponse(
         model_name=model, model_version=version, id=req.client_id or ""
     )
+    targets = req.shm_outputs
     for name in names:
         arr = outputs[name]
         datatype = output_specs[name].datatype
         tensor = response.outputs.add(name=name, datatype=datatype, shape=arr.shape)
-        if raw:
+        target = targets.get(name) if targets else None
+        if target is not None:  # written into the client's region; the answer says where
+            written = write_output(name, arr, target)
+            tensor.parameters[REGION].string_param = target.region
+            tensor.parameters[BYTE_SIZE].int64_param = written
+            if target.offset:
+                tensor.parameters[OFFSET].int64_param = target.offset
+            if raw:  # an empty entry keeps raw_output_contents in step with outputs
+                response.raw_output_contents.append(b"")
+        elif raw:
             response.raw_output_contents.append(tensor_to_bytes(arr))
         elif datatype == "BYTES":
             tensor.contents.bytes_contents.extend(

@@ -62,8 +62,7 @@ def check_input(
             f"input '{name}' has {count} elements (shape {shape}), over the "
             f"limit limits.max_tensor_elements {max_elements}"
         )
-    if params is not None and "shared_memory_region" in params:
-        raise Unimplemented(f"input '{name}': shared memory is not supported")
+    # Shared memory (parameters.shared_memory_region) is the codec's: aserve.codecs.shm.
     return spec, count
 
 
@@ -226,7 +225,8 @@ def same_io(before: Any, now: Any) -> Any:
 def check_output(
     name: Any, params: Mapping[str, Any] | None, specs: Mapping[str, TensorSpec], model: str
 ) -> None:
-    """One requested output: a known name, no feature aserve does not offer."""
+    """One requested output: a known name, no feature aserve does not offer (shared
+    memory is the codec's: :mod:`aserve.codecs.shm`)."""
     if name not in specs:
         raise InvalidArgument(
             f"unknown output '{name}' for model '{model}' (outputs: {', '.join(specs)})"
@@ -234,8 +234,6 @@ def check_output(
     if params:
         if params.get("classification"):
             raise Unimplemented(f"output '{name}': classification is not supported")
-        if "shared_memory_region" in params:
-            raise Unimplemented(f"output '{name}': shared memory is not supported")
 
 
 def request_timeout(params: Mapping[str, Any]) -> float | None:

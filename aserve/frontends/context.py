@@ -6,7 +6,8 @@ and gRPC frontends instead of the whole ``Server``: the model registry
 (routing), the admission (``limits.max_concurrency``), the metrics, the
 reloader (Triton's repository routes), the API keys, the config the server
 started with, why the server is not ready, the shared devices and the memory
-budget's snapshot. Everything in it is used on the loop.
+budget's snapshot, the registered shared memory regions. Everything in it is
+used on the loop.
 
 ``config`` is a snapshot taken at start: the settings frontends read
 (``limits``, ``http``, ``grpc``, ``tls``, ``auth``, ``dashboard``) change
@@ -17,9 +18,11 @@ only with a restart; a reload changes the models, which frontends find in
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from aserve.frontends.shm_regions import SystemSharedMemory
 
 if TYPE_CHECKING:
     from aserve.config import ServerConfig
@@ -45,3 +48,6 @@ class FrontendContext:
     # The memory budget's snapshot (each device's budget and use, each model's loads);
     # None: a server without one (the dashboard shows no memory then).
     memory: Callable[[], dict[str, Any]] | None = None
+    # The system shared memory regions clients registered (Triton's extension), for
+    # both frontends: registered over one, named in requests over either.
+    shared_memory: SystemSharedMemory = field(default_factory=SystemSharedMemory)

@@ -5,7 +5,7 @@ the keys every config had before roles) may infer, generate and read
 metadata, statistics and health; an *admin* key (``auth.admin_keys_env`` /
 ``auth.admin_keys_file``) may do that and also change or inspect what is
 served: the model repository API, the config routes, and, reserved for when
-they are built, shared-memory registration, trace and log settings. With no
+they are built, shared-memory registration (built), trace and log settings. With no
 ``"auth"`` in the config no key is asked for at all.
 
 The tables name every route of both frontends: :data:`HTTP_ROUTES` by the
@@ -62,11 +62,23 @@ HTTP_ROUTES: Final[Mapping[str, Role]] = {
     "/v2/repository/index": _A,
     "/v2/repository/models/{model}/load": _A,
     "/v2/repository/models/{model}/unload": _A,
+    # Triton's shared memory extensions: registering maps a client's memory.
+    **{
+        f"{base}{tail}": _A
+        for base in ("/v2/systemsharedmemory", "/v2/cudasharedmemory")
+        for tail in (
+            "/status",
+            "/region/{name}/status",
+            "/region/{name}/register",
+            "/unregister",
+            "/region/{name}/unregister",
+        )
+    },
 }
 # The catch-all that answers 404 for any other path.
 NOT_FOUND_ROUTE: Final = "/{tail}"
 # Paths that are admin's wherever they are served: the config and repository
-# routes, and Triton's shared-memory, trace and logging extensions (not built).
+# routes, Triton's shared-memory extensions, and its trace and logging ones (not built).
 ADMIN_PATH_PREFIXES: Final = (
     "/v2/config",
     "/v2/repository",
@@ -93,7 +105,7 @@ GRPC_METHODS: Final[Mapping[str, Role]] = {
         )
     },
     _KSERVE + "RepositoryIndex": _A,
-    # Triton's RPCs that change the server; not offered yet, admin's once they are.
+    # Triton's RPCs that change the server (shared memory's offered, the rest not yet).
     **{
         _KSERVE + m: _A
         for m in (

@@ -27,9 +27,10 @@ from google.protobuf import json_format
 from aserve import __version__
 from aserve._proto import grpc_service_pb2 as pb
 from aserve._proto import grpc_service_pb2_grpc as pb_grpc
+from aserve.codecs.v2 import DecodedRequest
 from aserve.codecs.v2_grpc import decode_infer_request, encode_infer_response
 from aserve.codecs.validate import same_io
-from aserve.errors import AserveError
+from aserve.errors import AserveError, InvalidArgument
 from aserve.frontends.common import (
     EMPTY_FINAL,
     FINAL,
@@ -44,6 +45,7 @@ from aserve.frontends.grpc.arrival import call_budget
 from aserve.frontends.grpc.calls import end_call
 from aserve.frontends.grpc.generate import answer_decoupled
 from aserve.frontends.model_config import triton_config_message
+from aserve.frontends.shm_regions import NO_GPU
 from aserve.frontends.status import GRPC_STATUS
 from aserve.loop.runtimes.base import Generator
 
@@ -52,7 +54,9 @@ if TYPE_CHECKING:
     from aserve.frontends.grpc.calls import InFlight
     from aserve.loop.runtimes.base import Runtime
 
-EXTENSIONS: Final = ["parameters", "statistics", "model_configuration"]
+EXTENSIONS: Final = [
+    "parameters", "statistics", "model_configuration", "system_shared_memory",
+]  # fmt: skip
 # Requests one stream may have in flight (read, not yet answered). Past it the
 # stream stops reading, and HTTP/2 flow control pushes back on the client.
 STREAM_MAX_IN_FLIGHT: Final = 1024
@@ -169,6 +173,55 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             )  # fmt: skip
         return response
 
+    # --- shared memory (Triton's extensions) ---------------------------------
+
+    @_unary
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Any
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self._ctx.shared_memory.status(request.name):
+            response.regions[region["name"]].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**region)
+            )
+        return response
+
+    @_unary
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Any
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        self._ctx.shared_memory.register(
+            request.name, request.key, request.offset, request.byte_size
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_unary
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Any
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        self._ctx.shared_memory.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_unary
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Any
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        if request.name:
+            raise InvalidArgument(f"Unable to find cuda shared memory region: '{request.name}'")
+        return pb.CudaSharedMemoryStatusResponse()
+
+    @_unary
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: Any
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        raise InvalidArgument(NO_GPU)
+
+    @_unary
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Any
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        return pb.CudaSharedMemoryUnregisterResponse()  # nothing is ever registered
+
     # --- inference ------------------------------------------------------------
 
     async def _infer(
@@ -186,7 +239,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             runtime.variable_shapes,
             max_elements=self._ctx.config.limits.max_tensor_elements,
             defer=True,
+            shm=self._ctx.shared_memory,
         )
+        if not decoded.shm_held:
+            return await self._run(request, runtime, decoded, deadline_s, arrival)
+        try:  # the regions it uses stay mapped until its answer is encoded
+            return await self._run(request, runtime, decoded, deadline_s, arrival)
+        finally:
+            decoded.release_shared_memory()
+
+    async def _run(
+        self,
+        request: pb.ModelInferRequest,
+        runtime: Runtime,
+        decoded: DecodedRequest,
+        deadline_s: float | None,
+        arrival: float | None,
+    ) -> pb.ModelInferResponse:
         if decoded.pending:  # much data: decoded on a thread, then routing is looked up again
             await asyncio.to_thread(decoded.decode_pending)
             runtime = same_io(runtime, self._runtime(request.model_name, request.model_version))

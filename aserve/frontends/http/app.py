@@ -69,6 +69,7 @@ from aserve.frontends.http.metrics import add_metrics_route
 from aserve.frontends.http.openai import add_openai_routes
 from aserve.frontends.http.openapi import add_openapi_route
 from aserve.frontends.http.predictions import add_prediction_routes
+from aserve.frontends.http.shared_memory import add_shared_memory_routes
 from aserve.frontends.model_config import triton_config_json
 from aserve.frontends.status import STATUS_LABELS, status_label
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES
@@ -359,6 +360,7 @@ class HttpFrontend:
         add_generate_routes(kit, ctx)  # Triton's generate extension
         add_openai_routes(kit, ctx)
         add_admin_routes(kit, ctx)
+        add_shared_memory_routes(kit, ctx)  # Triton's shared memory extensions
         add_prediction_routes(kit, ctx)
         add_metrics_route(kit, ctx)
         add_openapi_route(kit)
@@ -440,6 +442,7 @@ class HttpFrontend:
                     "statistics",
                     "model_repository",
                     "model_configuration",
+                    "system_shared_memory",
                 ],
             }
         )
@@ -511,41 +514,46 @@ class HttpFrontend:
             runtime.variable_shapes,
             max_elements=self._max_elements,
             defer=True,
+            shm=self._ctx.shared_memory,
         )
-        if decoded.pending:  # much data: decoded on a thread, then routing is looked up again
-            await asyncio.to_thread(decoded.decode_pending)
-            runtime = same_io(runtime, self._runtime(request))
-            request[RUNTIME_KEY] = runtime
-        timeout = resolve_deadline(
-            headers.get(TIMEOUT_HEADER),
-            decoded.timeout_s,
-            None,
-            runtime.default_timeout_s,
-            self._max_timeout_s,
-        )
-        outputs = await runtime.infer(
-            decoded.inputs,
-            decoded.batch_size,
-            decoded.shape_key,
-            timeout,
-            decoded.client_id,
-            decoded.parameters,
-            arrival=request[ARRIVAL_KEY],
-        )
-        payload, json_length = encode_response(
-            runtime.name, runtime.version, decoded, outputs, runtime.output_specs
-        )
-        out_headers: dict[str, str] = {}
-        if json_length is not None:
-            out_headers[IHCL] = str(json_length)
-            content_type = "application/octet-stream"
-        else:
-            content_type = JSON
-        encoding = _response_encoding(headers.get("Accept-Encoding"))
-        if encoding is not None:
-            payload = await _compress(payload, encoding)
-            out_headers["Content-Encoding"] = encoding
-        return web.Response(body=payload, content_type=content_type, headers=out_headers)
+        try:
+            if decoded.pending:  # much data: decoded on a thread, then routing is looked up again
+                await asyncio.to_thread(decoded.decode_pending)
+                runtime = same_io(runtime, self._runtime(request))
+                request[RUNTIME_KEY] = runtime
+            timeout = resolve_deadline(
+                headers.get(TIMEOUT_HEADER),
+                decoded.timeout_s,
+                None,
+                runtime.default_timeout_s,
+                self._max_timeout_s,
+            )
+            outputs = await runtime.infer(
+                decoded.inputs,
+                decoded.batch_size,
+                decoded.shape_key,
+                timeout,
+                decoded.client_id,
+                decoded.parameters,
+                arrival=request[ARRIVAL_KEY],
+            )
+            payload, json_length = encode_response(
+                runtime.name, runtime.version, decoded, outputs, runtime.output_specs
+            )
+            out_headers: dict[str, str] = {}
+            if json_length is not None:
+                out_headers[IHCL] = str(json_length)
+                content_type = "application/octet-stream"
+            else:
+                content_type = JSON
+            encoding = _response_encoding(headers.get("Accept-Encoding"))
+            if encoding is not None:
+                payload = await _compress(payload, encoding)
+                out_headers["Content-Encoding"] = encoding
+            return web.Response(body=payload, content_type=content_type, headers=out_headers)
+        finally:
+            if decoded.shm_held:  # the regions it used: kept mapped until now
+                decoded.release_shared_memory()
 
 
 def _budget_s(request: web.Request) -> float | None:

@@ -190,6 +190,54 @@ def _predictions(versioned: bool) -> dict[str, Any]:
     return {"post": op, "parameters": _version_params(versioned)}
 
 
+def _shared_memory_paths() -> dict[str, Any]:
+    """Triton's system and CUDA shared memory extensions (CUDA: register refused)."""
+    region = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
+    status = {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "key": {"type": "string"},
+                "offset": {"type": "integer"},
+                "byte_size": {"type": "integer"},
+            },
+        },
+    }
+    register = {
+        "type": "object",
+        "required": ["key", "byte_size"],
+        "properties": {
+            "key": {"type": "string", "description": "a shared memory object: /name"},
+            "offset": {"type": "integer", "minimum": 0},
+            "byte_size": {"type": "integer", "minimum": 1},
+        },
+    }
+    paths: dict[str, Any] = {}
+    for base, what in (("/v2/systemsharedmemory", "system"), ("/v2/cudasharedmemory", "CUDA")):
+        paths[base + "/status"] = {"get": _op(f"Every {what} shared memory region", status)}
+        paths[base + "/region/{name}/status"] = {
+            "get": _op(f"One {what} shared memory region", status, errors=(400,)),
+            "parameters": [region],
+        }
+        paths[base + "/region/{name}/register"] = {
+            "post": _op(
+                f"Register a {what} shared memory region"
+                + (" (refused: this server has no GPU)" if what == "CUDA" else ""),
+                body=register if what == "system" else {"type": "object"},
+                errors=(400,),
+            ),
+            "parameters": [region],
+        }
+        paths[base + "/unregister"] = {"post": _op(f"Unregister every {what} region")}
+        paths[base + "/region/{name}/unregister"] = {
+            "post": _op(f"Unregister a {what} shared memory region"),
+            "parameters": [region],
+        }
+    return paths
+
+
 def build_document() -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/v2/health/live": {"get": _op("Liveness")},
@@ -207,6 +255,7 @@ def build_document() -> dict[str, Any]:
             "post": _op("Unload a model", errors=(400, 404)),
             "parameters": _version_params(False),
         },
+        **_shared_memory_paths(),
         "/v1/models": {"get": _op("OpenAI: the decoder models")},
         "/v1/models/{model}": {
             "get": _op("OpenAI: one decoder model", errors=(404,)),
