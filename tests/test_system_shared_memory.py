@@ -9,6 +9,7 @@ requested outputs; the answers read back from the regions.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import threading
@@ -22,7 +23,9 @@ import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
+import tritonclient.http.aio as httpaio
 import tritonclient.utils.shared_memory as shm
 from conftest import HANDLERS, ServerProcess, spec, standard_models, start_server, write_config
 from helpers import mixed_arrays
@@ -387,3 +390,65 @@ def test_unregister_while_a_request_uses_the_region(request, proto, shm_server, 
     got = shm.get_contents_as_numpy(out_handle, np.float32, [2, 1])
     np.testing.assert_array_equal(got, x.sum(axis=1, keepdims=True))
     caller.close()
+
+
+@pytest.mark.parametrize("proto", ["http", "grpc"])
+def test_output_region_too_small(request, proto, shm_server, regions):
+    """A fixed-size output is refused before its request is queued (the held model's
+    handler never starts); a BYTES one, whose size only the answer tells, after."""
+    _, work = shm_server
+    client = request.getfixturevalue(proto)
+    mod = httpclient if proto == "http" else grpcclient
+    began = work / "began"
+    began.unlink(missing_ok=True)
+    _, key = regions("small", 64)
+    client.register_system_shared_memory("small", key, 64)
+
+    x = mod.InferInput("X", [2, 2], "FP32")
+    x.set_data_from_numpy(np.ones((2, 2), np.float32))
+    y = mod.InferRequestedOutput("Y")
+    y.set_shared_memory("small", 4)
+    _refused(lambda: client.infer("held", [x], outputs=[y]), "output 'Y' is 8 bytes",
+             "shape [2, 1]", "4 bytes", "'small'")  # fmt: skip
+    assert not began.exists()
+
+    text = mod.InferInput("TEXT", [1, 2], "BYTES")
+    text.set_data_from_numpy(np.array([[b"abcdef", b"ghijkl"]], dtype=object))
+    rev = mod.InferRequestedOutput("REV")
+    rev.set_shared_memory("small", 10, offset=4)
+    _refused(lambda: client.infer("reverse", [text], outputs=[rev]), "output 'REV' is 20 bytes",
+             "10 bytes", "'small'")  # fmt: skip
+    assert client.get_model_metadata("reverse") is not None  # the server goes on
+
+
+def test_asyncio_clients(server, regions, eager_models):
+    x = np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16)
+    in_handle, in_key = regions("aio_in", x.nbytes)
+    out_handle, out_key = regions("aio_out", 2 * x.nbytes)
+    shm.set_shared_memory_region(in_handle, [x])
+
+    async def run(mod: Any, client: Any, out_offset: int) -> None:
+        inp = mod.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_shared_memory("aio_in", x.nbytes)
+        out = mod.InferRequestedOutput("OUTPUT0")
+        out.set_shared_memory("aio_out", x.nbytes, offset=out_offset)
+        await client.infer("affine", [inp], outputs=[out])
+
+    async def main() -> None:
+        http = httpaio.InferenceServerClient(server.url)
+        grpc = grpcaio.InferenceServerClient(server.grpc_url)
+        try:
+            await http.register_system_shared_memory("aio_in", in_key, x.nbytes)
+            await grpc.register_system_shared_memory("aio_out", out_key, 2 * x.nbytes)
+            await asyncio.gather(run(httpaio, http, 0), run(grpcaio, grpc, x.nbytes))
+            await http.unregister_system_shared_memory()
+            assert await http.get_system_shared_memory_status() == []
+        finally:
+            await http.close()
+            await grpc.close()
+
+    asyncio.run(main())
+    want = _affine(eager_models, x)
+    for offset in (0, x.nbytes):
+        got = shm.get_contents_as_numpy(out_handle, np.float32, [1, 16], offset=offset)
+        np.testing.assert_allclose(got, want, rtol=1e-6)

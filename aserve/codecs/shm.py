@@ -25,6 +25,7 @@ import numpy as np
 
 from aserve.codecs.binary import tensor_to_bytes
 from aserve.errors import InvalidArgument, Unimplemented
+from aserve.types.tensors import numpy_dtype
 
 REGION: Final = "shared_memory_region"
 BYTE_SIZE: Final = "shared_memory_byte_size"
@@ -103,6 +104,25 @@ def release_all(held: list[Release]) -> None:
         held.pop()()
 
 
+def check_room(name: str, datatype: str, shape: list[int], target: OutputTarget) -> None:
+    """Refuse, before the request is queued, an output whose size its model fixes
+    (no ``-1`` in ``shape``, batch included; not BYTES) and that cannot fit its region."""
+    if datatype == "BYTES" or -1 in shape:
+        return  # known only once the model has answered: write_output checks it
+    size = int(np.prod(shape, dtype=np.int64)) * numpy_dtype(datatype).itemsize
+    _fits(name, size, shape, target)
+
+
+def _fits(name: str, size: int, shape: list[int], target: OutputTarget) -> None:
+    room = len(target.view)
+    if size > room:
+        raise InvalidArgument(
+            f"output '{name}' is {size} bytes (shape {shape}), more than the "
+            f"{room} bytes of {BYTE_SIZE} it was given in shared memory region "
+            f"'{target.region}'"
+        )
+
+
 def write_output(name: str, arr: np.ndarray, target: OutputTarget) -> int:
     """Write ``arr`` into its region, once; returns the bytes written.
 
@@ -114,13 +134,7 @@ def write_output(name: str, arr: np.ndarray, target: OutputTarget) -> int:
         size = len(raw)
     else:
         size = arr.nbytes
-    room = len(target.view)
-    if size > room:
-        raise InvalidArgument(
-            f"output '{name}' is {size} bytes (shape {list(arr.shape)}), more than the "
-            f"{room} bytes of {BYTE_SIZE} it was given in shared memory region "
-            f"'{target.region}'"
-        )
+    _fits(name, size, list(arr.shape), target)
     if raw is not None:
         target.view[:size] = raw
     elif size:

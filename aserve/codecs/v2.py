@@ -30,6 +30,7 @@ from aserve.codecs.shm import (
     Release,
     SharedMemory,
     acquire,
+    check_room,
     release_all,
     write_output,
 )
@@ -215,7 +216,9 @@ def _decode(
     outputs = shm_outputs = None
     raw_outputs = doc.get("outputs")
     if raw_outputs is not None:
-        outputs, shm_outputs = _requested_outputs(raw_outputs, output_specs, model, shm, held)
+        outputs, shm_outputs = _requested_outputs(
+            raw_outputs, output_specs, model, batch_size, shm, held
+        )
     return DecodedRequest(
         inputs, batch_size, shape_key, client_id, outputs, binary_default, timeout_s, params,
         pending, shm_outputs, held,
@@ -315,6 +318,7 @@ def _requested_outputs(
     raw: Any,
     specs: Mapping[str, TensorSpec],
     model: str,
+    batch_size: int,
     shm: SharedMemory | None,
     held: list[Release],
 ) -> tuple[list[tuple[str, bool | None]], dict[str, OutputTarget] | None]:
@@ -340,7 +344,9 @@ def _requested_outputs(
             if REGION in params:
                 region, offset, view = acquire(shm, params, f"output '{name}'", held)
                 targets = targets or {}
-                targets[name] = OutputTarget(region, offset, view)
+                target = targets[name] = OutputTarget(region, offset, view)
+                spec = specs[name]
+                check_room(name, spec.datatype, [batch_size, *spec.shape], target)
         out.append((name, binary))
     return out, targets
 

@@ -26,6 +26,7 @@ from aserve.codecs.shm import (
     Release,
     SharedMemory,
     acquire,
+    check_room,
     release_all,
     write_output,
 )
@@ -201,7 +202,9 @@ def _decode(
             if out_params is not None and REGION in out_params:
                 region, offset, view = acquire(shm, out_params, f"output '{out.name}'", held)
                 targets = targets or {}
-                targets[out.name] = OutputTarget(region, offset, view)
+                target = targets[out.name] = OutputTarget(region, offset, view)
+                spec = output_specs[out.name]
+                check_room(out.name, spec.datatype, [batch_size, *spec.shape], target)
             outputs.append((out.name, None))
     return DecodedRequest(
         inputs, batch_size, shape_key, msg.id or None, outputs, bool(raw or held), timeout_s,
