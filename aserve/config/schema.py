@@ -454,9 +454,7 @@ class ModelConfig(_Frozen):
         from_file = engine == "onnx" or (engine == "torch" and path.endswith(".pt2"))
         if engine is not None and engine != "decoder" and not from_file and not specs:
             hint = " (a .pt2 program carries its own)" if engine == "torch" else ""
-            raise ValueError(
-                f"required with engine '{engine}': list at least one tensor{hint}"
-            )
+            raise ValueError(f"required with engine '{engine}': list at least one tensor{hint}")
         return specs
 
     @field_validator("batching", "instances", "generation", "dtype")
