@@ -7,8 +7,8 @@ request (``retries 0``, no ``option redispatch``): a request that fails
 reaches the client. Each step waits on HAProxy's own view of the replicas
 (its stats socket, ``show stat``), never on a sleep. The replicas'
 ``drain_grace_s`` is longer than HAProxy's ``inter`` x ``fall``, so HAProxy
-marks a stopping replica DOWN before its listeners close, as the README's
-"Drain" section says to size it.
+marks a stopping replica DOWN before its listeners close, as the "Drain"
+section of docs/deployment.md says to size it.
 
 Scenarios (each reports requests answered, failed, p99 during the event):
 

@@ -1,5 +1,5 @@
 """A request's deadline counts from when its first bytes were read, not from
-when its handler ran (the README's "Batching, deadlines and admission").
+when its handler ran (docs/guide/batching.md, "A request's deadline").
 
 Each test holds a request between its arrival and its handler for longer than
 its deadline, in an order the test sets: the rest of its body sent only once

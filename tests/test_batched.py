@@ -1,6 +1,7 @@
 """aserve.Batched: the deadline batcher inside a user's own app (service-streamer's job).
 
-Real web apps on loopback with real clients: the README's Flask example under
+Real web apps on loopback with real clients: the library page's Flask example
+(docs/guide/library.md) under
 werkzeug's threaded server and 64 client threads, a FastAPI app under uvicorn
 that awaits. Batches larger than one are made certain, not likely: the
 function holds its first batch until every other call is queued (a
@@ -41,7 +42,8 @@ from aserve.library.pools import spread
 
 pytestmark = pytest.mark.timeout(120)
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "guide" / "library.md"
 CLIENTS = 64
 
 
@@ -93,29 +95,28 @@ def expected_sizes(gate: Gate, max_batch_size: int = 32) -> list[int]:
     return [gate.held] + [max_batch_size] * (rest // max_batch_size) + tail
 
 
-# --- the README's Flask app ---------------------------------------------------------
+# --- the library page's Flask app -------------------------------------------------
 
 
 def readme_example() -> str:
-    text = README.read_text()
-    section = text[text.index("## Use it as a library") :]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    text = PAGE.read_text()
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
 
 
 def load_example(gate_name: str) -> ModuleType:
-    """The README's example as a module, its function wrapped in a gate (the only edit)."""
+    """The page's example as a module, its function wrapped in a gate (the only edit)."""
     code = readme_example()
     call = "aserve.Batched(predict,"
-    assert call in code, "the README example no longer wraps predict: update this test"
+    assert call in code, "the library page's example no longer wraps predict: update this test"
     module = ModuleType("readme_flask_app")
     module.__dict__[gate_name] = None
     code = code.replace(call, f"aserve.Batched({gate_name} := Gate(predict),")
     # While the test holds a batch, 63 client threads connect and send: on a loaded
     # machine that may take longer than the example's timeout, which is not under test.
     code, n = re.subn(r"timeout_ms=[0-9_]+", "timeout_ms=60_000", code)
-    assert n == 1, "the README example's timeout_ms moved: update this test"
+    assert n == 1, "the library page's example's timeout_ms moved: update this test"
     module.__dict__["Gate"] = Gate
-    exec(compile(code, str(README), "exec"), module.__dict__)
+    exec(compile(code, str(PAGE), "exec"), module.__dict__)
     return module
 
 
@@ -168,12 +169,11 @@ def test_flask_app_from_the_readme_batches_64_threads_with_per_request_answers()
     assert max(gate.sizes) == 32 and stats["inference_count"] == 3 + CLIENTS
 
 
-def test_the_readme_commands_run_the_flask_app_and_ask_it():
+def test_the_library_page_commands_run_the_flask_app_and_ask_it():
     """The commands under the example: it is saved as app.py and run, and curl asks it."""
-    text = README.read_text()
-    section = text[text.index("## Use it as a library") :]
+    section = PAGE.read_text()
     block = re.search(r"```python\n.*?```.*?```bash\n(.*?)```", section, re.S)
-    assert block, "the README's commands for the Flask example are gone"
+    assert block, "the library page's commands for the Flask example are gone"
     install, run, curl = [shlex.split(line) for line in block.group(1).splitlines()]
     assert install == [".venv/bin/pip", "install", "flask"], install
     assert run == [".venv/bin/python", "app.py"] and "`app.py`" in section, run
@@ -460,7 +460,7 @@ def test_workers_spread_over_cuda_devices():
 def test_import_aserve_stays_light():
     code = "import aserve, sys; aserve.Batched; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         cwd=README.parent, check=True)  # fmt: skip
+                         cwd=ROOT, check=True)  # fmt: skip
     assert out.stdout.strip() == "False"
     assert aserve.Batched is Batched
 

@@ -229,38 +229,38 @@ def test_a_builtin_served_by_the_wrong_engine_is_refused(tmp_path: Path) -> None
         check_model_files(config, tmp_path)
 
 
-def _readme_chat_curl() -> tuple[str, str, bytes]:
-    """The quick start's serve command, curl URL and body, as the README writes them."""
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"(scripts/serve --config \S+)\ncurl -N (\S+) -d \\\n\s*'([^']+)'", readme)
-    assert m, "the README's streaming chat step is gone"
+def _quick_start_chat_curl() -> tuple[str, str, bytes]:
+    """The quick start's serve command, curl URL and body, as its page (and the README,
+    tests/test_quickstart.py checks) writes them."""
+    page = (ROOT / "docs" / "getting-started.md").read_text()
+    m = re.search(r"(scripts/serve --config \S+)\ncurl -N (\S+) -d \\\n\s*'([^']+)'", page)
+    assert m, "the quick start's streaming chat step is gone"
     return m.group(1), m.group(2), m.group(3).encode()
 
 
-def _readme_ndjson_curl() -> tuple[str, bytes]:
-    """The generation section's NDJSON example: its URL and body, as the README writes them."""
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"curl -N -H 'Accept: application/x-ndjson' (\S+) \\\n\s*-d '([^']+)'", readme)
-    assert m, "the README's NDJSON generate_stream example is gone"
+def _generation_ndjson_curl() -> tuple[str, bytes]:
+    """The generation guide's NDJSON example: its URL and body, as the page writes them."""
+    page = (ROOT / "docs" / "guide" / "generation.md").read_text()
+    m = re.search(r"curl -N -H 'Accept: application/x-ndjson' (\S+) \\\n\s*-d '([^']+)'", page)
+    assert m, "the generation guide's NDJSON generate_stream example is gone"
     return m.group(1), m.group(2).encode()
 
 
-def _readme_openai_example() -> str:
-    """The OpenAI-compatible API section's Python example, as the README writes it."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### OpenAI-compatible API") :]
-    m = re.search(r"```python\n(.*?)```", section, re.S)
+def _openai_example() -> str:
+    """The OpenAI-compatible API page's Python example, as it writes it."""
+    page = (ROOT / "docs" / "reference" / "openai.md").read_text()
+    m = re.search(r"```python\n(.*?)```", page, re.S)
     assert m and 'base_url="http://localhost:8000/v1"' in m.group(1), "the example is gone"
     return m.group(1)
 
 
 def test_the_quick_start_chat_step_works_as_written(tmp_path: Path) -> None:
-    """The quick start's chat step, and the generation section's NDJSON and openai
-    examples, on the server the quick start started (a fresh machine has no other
-    decoder model)."""
-    serve, url, body = _readme_chat_curl()
-    ndjson_url, ndjson_body = _readme_ndjson_curl()
-    openai_code = _readme_openai_example()
+    """The quick start's chat step, the generation guide's NDJSON example and the
+    OpenAI page's openai example, on the server the quick start started (a fresh
+    machine has no other decoder model)."""
+    serve, url, body = _quick_start_chat_curl()
+    ndjson_url, ndjson_body = _generation_ndjson_curl()
+    openai_code = _openai_example()
     config_path = ROOT / serve.split("--config ")[1]
     config = json.loads(config_path.read_text())
     assert config["models"][0]["path"] == "builtin:tiny-gpt2"

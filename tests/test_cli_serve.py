@@ -322,7 +322,8 @@ def test_every_flag_lands_in_its_config_key(
     model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    """What GRPS users set on the command line, each flag in the key the README names."""
+    """What GRPS users set on the command line, each flag in the key the docs name
+    (docs/guide/models.md, "One file, no config")."""
     from aserve.cli import main
 
     monkeypatch.chdir(tmp_path)

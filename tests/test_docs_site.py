@@ -183,6 +183,9 @@ def test_site_builds_with_the_references_in_it(site: Path) -> None:
         encoding="utf-8"
     )
     assert "queue_full" in (site / "errors" / "index.html").read_text(encoding="utf-8")
+    # ARCHITECTURE.md stays at the root; the site includes it (pymdownx.snippets).
+    architecture = (site / "architecture" / "index.html").read_text(encoding="utf-8")
+    assert 'id="the-layers"' in architecture and "--8&lt;--" not in architecture
 
 
 # An address on another host: http://, https:// or protocol-relative //, in an attribute

@@ -332,7 +332,7 @@ def test_a_pipeline_follows_its_steps_readiness(client, srv):
         assert (status, doc) == (503, {"error": why})
         with pytest.raises(InferenceServerException, match=r"step 0 \(tokenizer\) is not loaded"):
             client.infer("text_affine", [_text_input([b"x"])])
-        # The server is ready only when every model is (see the README's probes).
+        # The server is ready only when every model is (see the probes in docs/deployment.md).
         assert not client.is_server_ready() and not grpc.is_server_ready()
 
         client.load_model("tokenizer")

@@ -74,7 +74,7 @@ def test_model_that_fails_to_load_exits_1_with_the_reason(model_dir, tmp_path):
 
 
 def test_default_config_serves_the_builtin_model(tmp_path):
-    """What the README's first command does: no --config, the embedded default."""
+    """What the quick start's first command does: no --config, the embedded default."""
     env = {**os.environ, "ASERVE_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "aserve", "--port", "0"],

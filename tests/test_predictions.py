@@ -306,25 +306,25 @@ async def test_deadlines_apply_as_on_infer(raw_server: ServerProcess) -> None:
         assert (await held)[0] == 200
 
 
-# --- the README's example, as written ------------------------------------------------
+# --- the handlers page's example, as written ------------------------------------------
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "guide" / "handlers.md"
 
 
-def _readme_digest() -> tuple[str, list[list[str]]]:
-    """The README's raw-body handler (its code) and the commands that serve and ask it."""
-    text = README.read_text()
-    section = text[text.index("- Raw bodies: `POST /predictions") :]
+def _page_digest() -> tuple[str, list[list[str]]]:
+    """The handlers page's raw-body handler (its code) and the commands that serve and ask it."""
+    text = PAGE.read_text()
+    section = text[text.index("### Raw bodies: `/predictions`") :]
     code = re.search(r"```python\n(.*?)```", section, re.S)
     bash = re.search(r"```python\n.*?```.*?```bash\n(.*?)```", section, re.S)
-    assert code and bash, "the README's /predictions example or its commands are gone"
+    assert code and bash, "the handlers page's /predictions example or its commands are gone"
     lines = textwrap.dedent(bash.group(1)).replace("\\\n", " ").splitlines()
     commands = [shlex.split(re.sub(r"\s+#.*$", "", line)) for line in lines if line.strip()]
     return textwrap.dedent(code.group(1)), commands
 
 
 def _as_curl_sends(words: list[str], port: int, folder: Path) -> tuple[str, Any, dict[str, str]]:
-    """The URL, body and headers curl sends for ``words`` (the flags the README uses)."""
+    """The URL, body and headers curl sends for ``words`` (the flags the page uses)."""
     assert words[0] == "curl", words
     url, data, headers = "", None, {}
     args = iter(words[1:])
@@ -349,12 +349,12 @@ def _as_curl_sends(words: list[str], port: int, folder: Path) -> tuple[str, Any,
     return url, data, headers
 
 
-async def test_the_readme_digest_example_works_as_written(
+async def test_the_handlers_page_digest_example_works_as_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The handler saved as the README says, ``aserve serve`` on it from its folder, and
-    the README's curl lines (raw bytes, multipart files, V2 tensors) answered."""
-    code, commands = _readme_digest()
+    """The handler saved as the handlers page says, ``aserve serve`` on it from its folder,
+    and the page's curl lines (raw bytes, multipart files, V2 tensors) answered."""
+    code, commands = _page_digest()
     serve, *curls = commands
     assert serve[:2] == ["aserve", "serve"], serve
     module = serve[2].partition(":")[0]

@@ -1,4 +1,4 @@
-"""The names users' code relies on, kept where the README and the handler
+"""The names users' code relies on, kept where the docs and the handler
 template say they are, whatever the layout inside the package becomes."""
 
 from __future__ import annotations

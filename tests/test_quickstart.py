@@ -1,10 +1,11 @@
-"""The README's quick start, run as written: a model file served in one command,
-and a handler project scaffolded, archived and served.
+"""The quick start (docs/getting-started.md), run as written: a model file served
+in one command, and a handler project scaffolded, archived and served; and the
+README's first commands, which are the page's.
 
-Each step's commands are read out of the README's bash block under its
-heading. What a test must change to run beside others is only where things
-live: files go to a temporary folder, ``.venv/bin/`` is this interpreter's
-environment, and servers take a free port (``--port 0 --no-grpc``).
+Each step's commands are read out of the page's bash block under its heading.
+What a test must change to run beside others is only where things live: files
+go to a temporary folder, ``.venv/bin/`` is this interpreter's environment, and
+servers take a free port (``--port 0 --no-grpc``).
 """
 
 from __future__ import annotations
@@ -25,19 +26,20 @@ from conftest import start_server
 pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "getting-started.md"
 
 
 def _block(heading: str) -> list[str]:
     """The commands of the bash block under ``heading``, continuation lines joined."""
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(re.escape(heading) + r"\n.*?```bash\n(.*?)```", readme, re.S)
-    assert m, f"the README's step {heading!r} is gone"
+    page = PAGE.read_text()
+    m = re.search(re.escape(heading) + r"\n.*?```bash\n(.*?)```", page, re.S)
+    assert m, f"the quick start's step {heading!r} is gone"
     joined = m.group(1).replace("\\\n", " ")
     return [re.sub(r"\s+#.*$", "", line).strip() for line in joined.splitlines() if line.strip()]
 
 
 def _argv(command: str) -> list[str]:
-    """A README command as an argv, ``.venv/bin/X`` being this environment's."""
+    """A quick start command as an argv, ``.venv/bin/X`` being this environment's."""
     words = shlex.split(command)
     tool = words[0].removeprefix(".venv/bin/")
     return [sys.executable] + (["-m", "aserve"] if tool == "aserve" else []) + words[1:]
@@ -51,7 +53,7 @@ def _post(url: str, body: str) -> dict:
 
 
 def _curl(command: str, port: int) -> tuple[str, str]:
-    """The URL (on ``port``) and body of a README ``curl -s URL -d 'BODY'`` line."""
+    """The URL (on ``port``) and body of a ``curl -s URL -d 'BODY'`` line."""
     words = shlex.split(command)
     assert words[:2] == ["curl", "-s"] and words[3] == "-d", command
     url = words[2].replace("localhost:8000", f"127.0.0.1:{port}")
@@ -61,10 +63,10 @@ def _curl(command: str, port: int) -> tuple[str, str]:
 def test_the_quick_start_keeps_its_steps_in_order() -> None:
     """The two commands, a model file served, a streamed chat on the offline decoder,
     then a handler project scaffolded, archived and served: in this order, before the
-    next section."""
-    readme = (ROOT / "README.md").read_text()
-    start = readme.index("## Two commands")
-    quick_start = readme[start : readme.index("\n## ", start)]
+    wheel."""
+    page = PAGE.read_text()
+    start = page.index("## Two commands")
+    quick_start = page[start : page.index("\n## Installing the wheel", start)]
     steps = ["scripts/serve\n", "scripts/test\n", "aserve serve models/linear.pt2",
              "/v1/chat/completions", "aserve new demo", "aserve archive demo",
              "aserve serve demo.aserve"]  # fmt: skip
@@ -74,7 +76,7 @@ def test_the_quick_start_keeps_its_steps_in_order() -> None:
 
 
 def test_a_model_file_served_in_one_command(tmp_path: Path) -> None:
-    make, serve, curl = _block("### Your own model file, in one command")
+    make, serve, curl = _block("## Your own model file, in one command")
     assert make.startswith("mkdir -p models && .venv/bin/python -c"), make
     (tmp_path / "models").mkdir()
     python = _argv(make.split("&& ", 1)[1])
@@ -96,7 +98,7 @@ def test_a_model_file_served_in_one_command(tmp_path: Path) -> None:
 
 
 def test_a_handler_project_archived_and_served(tmp_path: Path) -> None:
-    new, archive, serve, curl = _block("### A handler project, archived and served")
+    new, archive, serve, curl = _block("## A handler project, archived and served")
     for command in (new, archive):
         subprocess.run(_argv(command), cwd=tmp_path, check=True, timeout=180)
     assert (tmp_path / "demo.aserve").is_file()
@@ -115,3 +117,18 @@ def test_a_handler_project_archived_and_served(tmp_path: Path) -> None:
         assert sum(outputs["PROBABILITIES"]["data"]) == pytest.approx(1.0, abs=1e-5)
     finally:
         server.stop()
+
+
+def test_the_readme_shows_the_quick_starts_first_commands() -> None:
+    """The README's commands and answers (the two commands, one request, a streamed
+    one) are the quick start's, in its order: what the tests here and in
+    test_builtin_tiny_gpt2.py run from the page is what the README shows."""
+    readme = (ROOT / "README.md").read_text()
+    page = PAGE.read_text()
+    blocks = re.findall(r"```(?:bash|json|)\n(.*?)```", readme, re.S)
+    assert len(blocks) >= 6, "the README's commands are gone"
+    where = [page.find(block) for block in blocks if not block.startswith(".venv/bin/mkdocs")]
+    assert -1 not in where, [b for b in blocks if b not in page]
+    assert where == sorted(where), "the README shows the quick start's commands out of order"
+    for link in re.findall(r"\]\((docs/[^)#]+)", readme):
+        assert (ROOT / link).is_file(), f"the README links to {link}, which is not there"

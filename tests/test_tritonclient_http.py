@@ -77,12 +77,11 @@ def test_model_config_is_the_one_grpc_gives(client, grpc_client, model):
         assert config["input"] == [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [16]}]
 
 
-def test_the_readme_config_commands_work_as_written(client, server):
-    """The HTTP API section's curl and tritonclient lines, on the default model's name."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## HTTP API (KServe V2 REST)") :]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "the README's model config commands are gone"
+def test_the_http_page_config_commands_work_as_written(client, server):
+    """The HTTP API page's curl and tritonclient lines, on the default model's name."""
+    page = Path(__file__).resolve().parent.parent / "docs" / "reference" / "http.md"
+    block = re.search(r"```bash\n(.*?)```", page.read_text(), re.S)
+    assert block, "the HTTP API page's model config commands are gone"
     curl, python = [shlex.split(line.partition("  #")[0]) for line in block.group(1).splitlines()]
     assert curl[:2] == ["curl", "-s"] and curl[2].startswith("localhost:8000/"), curl
     url = "http://" + curl[2].replace("localhost:8000", f"127.0.0.1:{server.port}")

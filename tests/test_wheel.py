@@ -28,19 +28,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_example_default_config_is_the_embedded_one():
-    # configs/default.json is what the README shows; it links to the package's copy.
+    # configs/default.json is what the quick start shows; it links to the package's copy.
     example = REPO / "configs" / "default.json"
     assert example.read_bytes() == (REPO / "aserve" / "default_config.json").read_bytes()
 
 
-def test_the_readme_names_every_extra():
-    """The wheel section's list of extras is the package's (the dev tools aside)."""
+def test_the_quick_start_names_every_extra():
+    """The wheel section's list of extras (docs/getting-started.md) is the package's (the
+    dev tools aside)."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     named = set(extras["optional-dependencies"]) - {"dev"}
-    readme = (REPO / "README.md").read_text()
-    m = re.search(r"^Extras: (.*?)\.$", readme, re.M | re.S)
-    assert m, "the README's list of extras is gone"
+    page = (REPO / "docs" / "getting-started.md").read_text()
+    m = re.search(r"^Extras: (.*?)\.$", page, re.M | re.S)
+    assert m, "the quick start's list of extras is gone"
     assert set(re.findall(r"`(?:aserve)?\[(\w+)\]`", m.group(1))) == named
 
 

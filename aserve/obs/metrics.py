@@ -10,7 +10,7 @@ metrics (:mod:`aserve.obs.handler_metrics`, as ``aserve_handler_*``), and the GP
 gauges of :class:`NvmlSampler` (a thread that polls NVML, only where NVML is present).
 
 Names follow the Prometheus conventions (``aserve_`` prefix, base units,
-``_total`` counters); ``README.md`` maps them to Triton's ``nv_inference_*``.
+``_total`` counters); ``docs/reference/metrics.md`` maps them to Triton's ``nv_inference_*``.
 """
 
 from __future__ import annotations

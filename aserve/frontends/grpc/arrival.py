@@ -1,7 +1,7 @@
 """When a gRPC call arrived, for its deadline (frontends layer; on the loop).
 
-A request's deadline counts from when it arrived (the README's "Batching,
-deadlines and admission"). grpc.aio keeps no start time of a call that Python
+A request's deadline counts from when it arrived (docs/guide/batching.md,
+"A request's deadline"). grpc.aio keeps no start time of a call that Python
 can read: the call's deadline (``time_remaining()``) is the client's end of
 it, not its start, and the HTTP/2 frames are read inside grpc's core. The
 earliest Python sees of a call is a server interceptor: grpc.aio runs the

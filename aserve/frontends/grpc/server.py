@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aserve.grpc")
 
-# What a gRPC connection may hold (see the README's "gRPC" section): one that
+# What a gRPC connection may hold (see docs/reference/grpc.md): one that
 # has not finished its handshake (HTTP/2 preface and settings, TLS) within
 # http.header_timeout_s is closed, as over HTTP; one without calls for
 # _IDLE_MS is sent GOAWAY (clients reconnect by themselves); a peer that

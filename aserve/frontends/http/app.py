@@ -106,8 +106,8 @@ _json = json_response
 
 # --- when each request arrived --------------------------------------------------
 #
-# A request's deadline counts from when its first bytes were read (the README's
-# "Batching, deadlines and admission"), not from when its handler runs: in a retry
+# A request's deadline counts from when its first bytes were read (docs/guide/batching.md,
+# "A request's deadline"), not from when its handler runs: in a retry
 # storm the wait between the two (the loop's backlog, the requests ahead on a
 # pipelined connection, a body still arriving) was what made admitted requests
 # late. aiohttp keeps no such time, and has no setting for its protocol's class,

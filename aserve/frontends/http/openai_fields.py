@@ -7,9 +7,9 @@ to mean "no such feature" (``n: 1``, ``store: false``, ``logprobs: false``,
 ``tools: []``, ``service_tier: "auto"``, null) passes; any other value is a 400
 naming the field. A field the table does not know is refused as well, as
 OpenAI's own API does: nothing a client sends is silently dropped. The same
-holds for the keys of each chat message. The README's "OpenAI-compatible
-API" section lists this table (``tests/test_openai_fields.py`` holds them to
-each other).
+holds for the keys of each chat message. The OpenAI-compatible API page
+(``docs/reference/openai.md``) lists this table (``tests/test_openai_fields.py``
+holds them to each other).
 
 Frontends layer; pure checks, run on the loop before the request is parsed further.
 """
@@ -70,7 +70,7 @@ _CACHE = "no prompt cache is kept"
 _NAMES = "a string naming the caller; nothing generated depends on it"
 
 FIELDS: dict[str, Field] = {
-    # Read by the routes (their bounds: the README's sampling settings).
+    # Read by the routes (their bounds: docs/guide/generation.md's sampling settings).
     "model": Field(BOTH, "honoured", "a model from /v1/models"),
     "messages": Field(CHAT, "honoured", "rendered with the model's chat template"),
     "prompt": Field(COMPLETIONS, "honoured", "one string or one list of token ids"),

@@ -17,7 +17,7 @@ read or served at once, all routes together, are bounded by
 it is whole (no part waits on the network), on a thread, within the bounds
 of :mod:`aserve.frontends.http.multipart` (parts, header lines, preamble).
 
-Errors answer ``{"error": "..."}`` with the status of the README's table: a
+Errors answer ``{"error": "..."}`` with the status of docs/errors.md's table: a
 model that is not a python handler with ``preprocess_raw`` is a 400 naming
 the route it takes instead. The request's timeout is the
 ``aserve-timeout-ms`` header's, else the model's default
