@@ -160,7 +160,7 @@ _SCHEMAS: dict[str, Any] = {
     "OpenAIRequest": {
         "type": "object",
         "required": ["model"],
-        "description": "OpenAI's completions / chat completions request (see README for fields)",
+        "description": "OpenAI's completions / chat completions request (its fields: docs/reference/openai.md)",
         "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"}},
     },
 }
