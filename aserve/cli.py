@@ -39,7 +39,10 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how often to check --config for changes (default 1; 0: only on SIGHUP)",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the least severe log lines written (default INFO)",
+    )  # fmt: skip
     p.add_argument(
         "--log-format",
         default=None,

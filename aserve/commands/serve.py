@@ -142,8 +142,14 @@ def add_parser(sub: Any) -> None:
         help="print the equivalent JSON config (for aserve --config) and exit; an archive "
         "is checked and its config read, not extracted",
     )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--log-format", default="text", choices=["text", "json"])  # fmt: skip
+    p.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="the least severe log lines written (default INFO)",
+    )  # fmt: skip
+    p.add_argument(
+        "--log-format", default="text", choices=["text", "json"],
+        help="text or JSON lines (default text)",
+    )  # fmt: skip
     p.set_defaults(run=run)
 
 

@@ -46,6 +46,7 @@ class HttpConfig(_Frozen):
     """Where the KServe V2 REST frontend listens."""
 
     host: str = "127.0.0.1"
+    """The address it binds (``0.0.0.0``: every interface)."""
     port: Annotated[int, Field(ge=0, le=65535)] = 8000  # 0 picks a free port
     header_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 10.0
     """Time a new connection has to send its first complete request head
@@ -64,6 +65,7 @@ class GrpcConfig(_Frozen):
     """Where the KServe V2 gRPC frontend listens (on the same loop as HTTP)."""
 
     host: str = "127.0.0.1"
+    """The address it binds (``0.0.0.0``: every interface)."""
     port: Annotated[int, Field(ge=0, le=65535)] = 8001  # 0 picks a free port
 
 
@@ -132,7 +134,9 @@ class TensorSpec(_Frozen):
     """One input or output of a model. ``shape`` excludes the batch dimension."""
 
     name: Annotated[str, Field(pattern=_NAME)]
+    """The tensor's name in requests and answers."""
     datatype: Datatype
+    """Its KServe V2 datatype."""
     shape: list[int]
 
     @field_validator("shape")
@@ -179,10 +183,14 @@ class BatchingConfig(_Frozen):
     """
 
     max_batch_size: Annotated[int, Field(ge=1)] = 32
+    """The largest batch the batcher cuts (a request's own batch dimension counts)."""
     max_delay_ms: Annotated[float, Field(ge=0)] = 2.0
     preferred_batch_sizes: list[int] = []
+    """Sizes a batch is cut at once the queue holds one (the largest that fits)."""
     max_queue_size: Annotated[int, Field(ge=1)] = 1024
+    """Requests waiting; past it a request is refused at once (429)."""
     timeout_ms: Annotated[float, Field(gt=0)] = 5000.0
+    """The deadline of a request that names none (at most ``limits.max_timeout_ms``)."""
     priority_levels: Annotated[int, Field(ge=0, le=1000)] = 0
     default_priority_level: Annotated[int, Field(ge=0)] = 0
     default_queue_policy: QueuePolicy = QueuePolicy()
@@ -234,6 +242,7 @@ class PipelineStep(_Frozen):
     """
 
     model: Annotated[str, Field(pattern=_NAME)]
+    """The config's model this step runs."""
     version: Annotated[str | None, Field(pattern=r"^[0-9]+$")] = None  # None: the highest
     inputs: dict[str, str] = {}
     outputs: dict[str, str] = {}
@@ -402,7 +411,10 @@ class ModelConfig(_Frozen):
     """
 
     name: Annotated[str, Field(pattern=_NAME)]
+    """The model's name in every route."""
     version: Annotated[str, Field(pattern=r"^[0-9]+$")] = "1"
+    """A number: versions are served side by side; a request naming none goes to
+    the highest."""
     engine: Literal["torch", "python", "pipeline", "decoder", "onnx", "tensorrt"]
     path: Annotated[str | None, Field(min_length=1)] = None
     # The folder ``path`` and ``handler`` resolve against (default: the config's
@@ -412,11 +424,15 @@ class ModelConfig(_Frozen):
     parameters: dict[str, Any] = {}  # python handlers only: given to load(context)
     steps: list[PipelineStep] = []  # pipelines only
     device: str = "cpu"
+    """Where it runs: ``cpu``, ``cuda`` or ``cuda:N``."""
     instances: Annotated[int, Field(ge=1, le=64)] = 1
+    """Executor threads (or worker processes) serving the model; on a GPU each
+    has its own CUDA stream."""
     # Where the instances run: threads of the server, or one worker process each
     # (the model then never waits for the GIL the event loop holds).
     executor: Literal["thread", "process"] = "thread"
     cpu_threads: Annotated[int, Field(ge=1, le=256)] = 1
+    """torch's intra-op threads per instance (1 is best on small machines)."""
     # A decoder model's tensors are fixed (text_input -> text_output); others must list theirs.
     inputs: Annotated[list[TensorSpec], Field(validate_default=True)] = []
     outputs: Annotated[list[TensorSpec], Field(validate_default=True)] = []
@@ -613,7 +629,9 @@ class TlsConfig(_Frozen):
     relative to the config's folder."""
 
     cert_file: str
+    """The PEM certificate (chain), relative to the config's folder."""
     key_file: str
+    """Its private key (PEM), relative to the config's folder."""
 
 
 class LoggingConfig(_Frozen):
@@ -690,6 +708,9 @@ class DeviceConfig(_Frozen):
     """
 
     scheduling: Literal["independent", "shared"] = "independent"
+    """``independent``: each model runs its batches on its own instances;
+    ``shared``: at most ``slots`` batches at once, all the device's models
+    together, the next free slot to the most urgent batch."""
     slots: Annotated[int, Field(ge=1, le=256)] = 1
     memory_budget_mib: Annotated[int | None, Field(ge=1)] = None
 
