@@ -1,4 +1,4 @@
-"""Many models in a memory budget: loads on demand and LRU eviction under Zipf traffic.
+"""Many models in a memory budget: loads on demand and eviction under Zipf traffic.
 
 24 TorchScript MLPs (64 -> w -> w -> 64, w from 640 to 2880: about 1.6 to 32
 MiB of weights each, the sizes shuffled over the ranks with a fixed seed)
@@ -8,7 +8,12 @@ about six of them (six times their mean size, and 16 MiB), every model
 (the model of rank k gets 1/k of it), each request with a deadline (the
 ``aserve-timeout-ms`` header) and given up by the client at it.
 
-Measured:
+The same traffic (the same seed) runs against one such server per eviction
+rule asked for (``--policy``: the device's ``"eviction"``, ``cost`` and
+``lru``, one after the other; both by default), then against a reference
+server that serves only the three hottest.
+
+Measured, for each rule:
 
 - memory: the server's process tree's RSS sampled every 50 ms, its peak
   less the baseline (the RSS once ready, before any model loaded: the
@@ -19,16 +24,21 @@ Measured:
   scraped every 0.5 s), whose peak the budget bounds by construction;
 - every answer that is not a 200, by status and reason (a 503 that says the
   model is loading and by when is a load-deadline refusal);
-- the three hottest models' p99 against a second server that serves only
-  those three, loaded at startup, with the same traffic to them (run after
-  the first, in the same invocation); on the first server they are loaded
-  by one request each before the window, after the baseline is read;
-- loads and evictions per minute (from the server's log lines);
+- the three hottest models' p99 against the reference server, which has
+  them loaded at startup and gets the same traffic to them; on the budgeted
+  servers they are loaded by one request each before the window, after the
+  baseline is read and after the coldest model (which takes the first load's
+  share of torch's one-time setup, see ``budget_run``). Their requests are also split by whether a load (of any
+  model) ran while they did, from the log's load times, and their own loads
+  in the window are counted: what keeps their p99 from the reference's;
+- loads and evictions per minute, and the loads that waited for a busy
+  model cheaper to evict (from the server's log lines);
 - each model's cold loads (their times in the log) against the same model's
   load in this process (``torch.jit.load`` and the warm-up batches the server
   runs: 1 and 8, twice), one thread.
 
     python -m bench.memory_budget [--duration 300] [--rate 20] [--deadline-ms 2000]
+        [--policy both|cost|lru] [--resident-hot]
 
 writes ``bench/results-memory-budget.json`` and prints markdown tables.
 """
@@ -68,6 +78,7 @@ SEED = 20240
 MIB = 1 << 20
 RSS_EVERY_S = 0.05
 METRICS_EVERY_S = 0.5
+POLICIES = ("cost", "lru")
 
 
 # --- the models -------------------------------------------------------------------
@@ -128,7 +139,7 @@ def model_entry(
 
 def write_config(
     folder: Path, port: int, ranks: list[int], budget_mib: int | None, deadline_ms: float,
-    resident: tuple[int, ...] = (),
+    resident: tuple[int, ...] = (), eviction: str = "cost",
 ) -> Path:  # fmt: skip
     config: dict[str, Any] = {
         "http": {"host": "127.0.0.1", "port": port},
@@ -136,8 +147,8 @@ def write_config(
                    for k in ranks],
     }  # fmt: skip
     if budget_mib is not None:
-        config["devices"] = {"cpu": {"memory_budget_mib": budget_mib}}
-    path = folder / ("budget.json" if budget_mib is not None else "hot-only.json")
+        config["devices"] = {"cpu": {"memory_budget_mib": budget_mib, "eviction": eviction}}
+    path = folder / (f"budget-{eviction}.json" if budget_mib is not None else "hot-only.json")
     path.write_text(json.dumps(config, indent=2))
     return path
 
@@ -324,6 +335,7 @@ async def warm(base: str, ranks: list[int]) -> None:
 
 LOADED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: model (m\d+)/1 loaded on cpu in ([\d.]+) s")
 EVICTED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: evicting model (m\d+)/1 ")
+WAITED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: model (m\d+)/1 waits up to ")
 
 
 def _log_time(stamp: str) -> float:
@@ -333,15 +345,19 @@ def _log_time(stamp: str) -> float:
 def log_events(path: Path, start: float, end: float) -> dict[str, Any]:
     loads: list[tuple[float, str, float]] = []
     evictions: list[tuple[float, str]] = []
+    waits: list[tuple[float, str]] = []
     for line in path.read_text(errors="replace").splitlines():
         if m := LOADED.match(line):
             loads.append((_log_time(m.group(1)), m.group(2), float(m.group(3))))
         elif m := EVICTED.match(line):
             evictions.append((_log_time(m.group(1)), m.group(2)))
+        elif m := WAITED.match(line):
+            waits.append((_log_time(m.group(1)), m.group(2)))
     # The log's clock has millisecond stamps; the window is the traffic's.
     loads = [x for x in loads if start - 1 <= x[0] <= end + 1]
     evictions = [x for x in evictions if start - 1 <= x[0] <= end + 1]
-    return {"loads": loads, "evictions": evictions}
+    waits = [x for x in waits if start - 1 <= x[0] <= end + 1]
+    return {"loads": loads, "evictions": evictions, "waits": waits}
 
 
 # --- the run ---------------------------------------------------------------------------
@@ -373,36 +389,67 @@ def not_ok(records: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def run(
-    duration_s: float, rate: float, deadline_ms: float, folder: Path, resident_hot: bool = False
+def load_spans(events: dict[str, Any]) -> list[tuple[float, float]]:
+    """When the device was busy loading (wall clock): each load from the first
+    eviction that made room for it (logged before it, under the device's lock)
+    or its own start (its log line's time less its duration), to its end."""
+    marks = sorted([(t, "evict", 0.0) for t, _ in events["evictions"]]
+                   + [(t, "load", s) for t, _, s in events["loads"]])  # fmt: skip
+    spans = []
+    pending: float | None = None
+    for t, kind, s in marks:
+        if kind == "evict":
+            pending = t if pending is None else pending
+            continue
+        spans.append((min(t - s, pending if pending is not None else t), t))
+        pending = None
+    return spans
+
+
+def overlap(
+    records: list[dict[str, Any]], spans: list[tuple[float, float]], models: list[str]
 ) -> dict[str, Any]:
-    ws = widths()
-    ranks = list(range(1, MODELS + 1))
-    paths = {k: build(k, ws[k - 1], folder) for k in ranks}
-    file_mib = {f"m{k}": paths[k].stat().st_size / MIB for k in ranks}
-    in_process = {f"m{k}": round(in_process_load_s(paths[k]), 4) for k in ranks}
-    budget_mib = round(FIT * statistics.mean(file_mib.values()) + 16)
-    weights = zipf_weights(MODELS)
-    resident = tuple(ranks[:HOT]) if resident_hot else ()
-    results: dict[str, Any] = {
-        "duration_s": duration_s, "rate": rate, "deadline_ms": deadline_ms,
-        "budget_mib": budget_mib, "resident": [f"m{k}" for k in resident], "models": {
-            f"m{k}": {"width": ws[k - 1], "file_mib": round(file_mib[f"m{k}"], 2),
-                      "share": round(weights[k - 1], 4), "in_process_load_s": in_process[f"m{k}"]}
-            for k in ranks
-        },
+    """``models``' requests answered in time, split by whether a load (of any
+    model, with the evictions that made room for it: ``load_spans``) ran while
+    they did."""
+    spans = sorted(spans)
+    starts = [a for a, _ in spans]
+    longest = max((b - a for a, b in spans), default=0.0)
+    during: list[float] = []
+    clear: list[float] = []
+    for r in records:
+        if r["model"] not in models or not r["in_time"]:
+            continue
+        t0, t1 = r["t"], r["t"] + r["ms"] / 1e3
+        # The spans that begin before t1 and may still run at t0.
+        i = bisect.bisect_left(starts, t0 - longest)
+        hit = any(a < t1 and b > t0 for a, b in spans[i : bisect.bisect_right(starts, t1)])
+        (during if hit else clear).append(r["ms"])
+    return {
+        "during_a_load": {"count": len(during), "p50_ms": pct(during, 0.5),
+                          "p99_ms": pct(during, 0.99)},
+        "no_load": {"count": len(clear), "p50_ms": pct(clear, 0.5), "p99_ms": pct(clear, 0.99)},
     }  # fmt: skip
 
+
+def budget_run(
+    policy: str, ranks: list[int], weights: list[float], budget_mib: int, rate: float,
+    duration_s: float, deadline_ms: float, folder: Path, resident: tuple[int, ...],
+) -> dict[str, Any]:  # fmt: skip
+    """One budgeted server with the eviction rule ``policy``, the whole traffic."""
     port = free_port()
-    cfg = write_config(folder, port, ranks, budget_mib, deadline_ms, resident)
-    with serve("budget", cfg, folder) as srv:
+    cfg = write_config(folder, port, ranks, budget_mib, deadline_ms, resident, policy)
+    with serve(f"budget-{policy}", cfg, folder) as srv:
         base = f"http://127.0.0.1:{port}"
         sampler = Sampler(srv.pid, base)
         baseline = baseline_rss(sampler)
         sampler.start()
         # The hottest models loaded before the window, as the other server's are at
         # its start: their p99 is then the steady state's, not their first load's.
-        asyncio.run(warm(base, ranks[:HOT]))
+        # The coldest first: the first load in a process also holds torch's one-time
+        # setup (about 12 MiB), counted in that load's footprint for as long as the
+        # model stays loaded; a hot model the rule keeps would hold it all the run.
+        asyncio.run(warm(base, [ranks[-1], *ranks[:HOT]]))
         start = time.time()
         records = asyncio.run(traffic(base, ranks, weights, rate, duration_s, deadline_ms, SEED))
         end = time.time()
@@ -422,7 +469,9 @@ def run(
     loads_by_model: dict[str, list[float]] = {}
     for _, name, s in events["loads"]:
         loads_by_model.setdefault(name, []).append(s)
-    results["budget_server"] = {
+    hot = [f"m{k}" for k in ranks[:HOT]]
+    return {
+        "eviction": policy,
         "baseline_rss_mib": round(baseline / MIB, 1),
         "peak_rss_over_baseline_mib": round(peak / MIB, 1),
         "peak_at_s": round(peak_t - start, 1),
@@ -438,9 +487,41 @@ def run(
         "evictions": len(events["evictions"]),
         "loads_per_min": round(len(events["loads"]) / minutes, 1),
         "evictions_per_min": round(len(events["evictions"]) / minutes, 1),
+        "waits_for_a_cheaper_model": len(events["waits"]),
+        "load_seconds_per_s": round(sum(s for _, _, s in events["loads"]) / (end - start), 3),
         "cold_loads_s": {k: [round(x, 3) for x in v] for k, v in sorted(loads_by_model.items(),
                                                                       key=lambda kv: int(kv[0][1:]))},
         "per_model": summarize(records, [f"m{k}" for k in ranks]),
+        "hot_by_overlap": overlap(records, load_spans(events), hot),
+        "hot_loads_at_s": {name: [round(t - start, 1) for t, n, _ in events["loads"] if n == name]
+                           for name in hot},
+    }  # fmt: skip
+
+
+def run(
+    duration_s: float, rate: float, deadline_ms: float, folder: Path, resident_hot: bool = False,
+    policies: tuple[str, ...] = POLICIES,
+) -> dict[str, Any]:  # fmt: skip
+    ws = widths()
+    ranks = list(range(1, MODELS + 1))
+    paths = {k: build(k, ws[k - 1], folder) for k in ranks}
+    file_mib = {f"m{k}": paths[k].stat().st_size / MIB for k in ranks}
+    in_process = {f"m{k}": round(in_process_load_s(paths[k]), 4) for k in ranks}
+    budget_mib = round(FIT * statistics.mean(file_mib.values()) + 16)
+    weights = zipf_weights(MODELS)
+    resident = tuple(ranks[:HOT]) if resident_hot else ()
+    results: dict[str, Any] = {
+        "duration_s": duration_s, "rate": rate, "deadline_ms": deadline_ms,
+        "budget_mib": budget_mib, "resident": [f"m{k}" for k in resident], "models": {
+            f"m{k}": {"width": ws[k - 1], "file_mib": round(file_mib[f"m{k}"], 2),
+                      "share": round(weights[k - 1], 4), "in_process_load_s": in_process[f"m{k}"]}
+            for k in ranks
+        },
+    }  # fmt: skip
+    results["budget_servers"] = {
+        policy: budget_run(policy, ranks, weights, budget_mib, rate, duration_s, deadline_ms,
+                           folder, resident)
+        for policy in policies
     }  # fmt: skip
 
     hot = ranks[:HOT]
@@ -448,10 +529,15 @@ def run(
     hot_rate = rate * sum(hot_weights)
     port = free_port()
     cfg = write_config(folder, port, hot, None, deadline_ms)
-    with serve("hot-only", cfg, folder):
+    with serve("hot-only", cfg, folder) as srv:
         base = f"http://127.0.0.1:{port}"
+        # Sampled as the budgeted servers are (its RSS, /metrics every 0.5 s): the
+        # same work beside the traffic.
+        sampler = Sampler(srv.pid, base)
+        sampler.start()
         ref = asyncio.run(traffic(base, hot, hot_weights, hot_rate, duration_s, deadline_ms,
                                   SEED + 1))  # fmt: skip
+        sampler.stop()
     results["hot_only_server"] = {
         "rate": round(hot_rate, 2), "sent": len(ref), "not_ok": not_ok(ref),
         "per_model": summarize(ref, [f"m{k}" for k in hot]),
@@ -466,57 +552,92 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
+def _ratio(mine: float | None, ref: float | None) -> str:
+    return f"{mine / ref:.2f}x" if mine and ref else "-"
+
+
 def render(r: dict[str, Any]) -> str:
-    b, h = r["budget_server"], r["hot_only_server"]
+    servers, h = r["budget_servers"], r["hot_only_server"]
+    names = list(servers)
+    head = " | ".join(names)
+    rule = "|".join(["---"] * (len(names) + 1))
+
+    def row(label: str, values: list[Any]) -> str:
+        return f"| {label} | " + " | ".join(str(v) for v in values) + " |"
+
     lines = [
         f"{len(r['models'])} models, budget {r['budget_mib']} MiB on the cpu (about {FIT} of "
         f"their mean size), Zipf(1.0) open loop at {r['rate']:g} req/s for "
         f"{r['duration_s']:g} s, deadline {r['deadline_ms']:g} ms"
         + (f"; {', '.join(r['resident'])} marked resident." if r.get("resident") else "."),
         "",
-        "| memory | MiB |",
-        "|---|---|",
-        f"| budget | {r['budget_mib']} |",
-        f"| peak of the server's RSS less its baseline ({b['baseline_rss_mib']} MiB before any "
-        f"load), {b['rss_samples']} samples every {RSS_EVERY_S * 1e3:.0f} ms | "
-        f"{b['peak_rss_over_baseline_mib']} |",
-        f"| peak of what the server accounts to its models (/metrics, {b['accounted_samples']} "
-        f"samples) | {b['peak_accounted_mib']} |",
-        f"| RSS less baseline, beyond the account at each scrape: median / max | "
-        f"{b['rss_beyond_account_mib']['median']} / {b['rss_beyond_account_mib']['max']} |",
+        f"| eviction | {head} |",
+        f"|{rule}|",
+        row("budget (MiB)", [r["budget_mib"]] * len(names)),
+        row("peak the server accounts to its models (MiB, /metrics every 0.5 s)",
+            [servers[n]["peak_accounted_mib"] for n in names]),
+        row("peak RSS less baseline (MiB, every 50 ms)",
+            [f"{servers[n]['peak_rss_over_baseline_mib']} (baseline "
+             f"{servers[n]['baseline_rss_mib']})" for n in names]),
+        row("RSS less baseline beyond the account: median / max (MiB)",
+            [f"{servers[n]['rss_beyond_account_mib']['median']} / "
+             f"{servers[n]['rss_beyond_account_mib']['max']}" for n in names]),
+        row("sent", [servers[n]["sent"] for n in names]),
+        row("200 in time", [servers[n]["ok_in_time"] for n in names]),
+    ]  # fmt: skip
+    reasons = sorted({k for n in names for k in servers[n]["not_ok"]})
+    lines += [row(k, [servers[n]["not_ok"].get(k, 0) for n in names]) for k in reasons]
+    lines += [
+        row("loads / min", [servers[n]["loads_per_min"] for n in names]),
+        row("evictions / min", [servers[n]["evictions_per_min"] for n in names]),
+        row("loads that waited for a busy model cheaper to evict",
+            [servers[n]["waits_for_a_cheaper_model"] for n in names]),
+        row("seconds of loading a second", [servers[n]["load_seconds_per_s"] for n in names]),
         "",
-        "| answers | count |",
-        "|---|---|",
-        f"| sent | {b['sent']} |",
-        f"| 200 in time | {b['ok_in_time']} |",
-        *(f"| {k} | {v} |" for k, v in b["not_ok"].items()),
-        "",
-        f"Loads {b['loads']} ({b['loads_per_min']}/min), evictions {b['evictions']} "
-        f"({b['evictions_per_min']}/min).",
-        "",
-        "| hot model | share | p99 with the budget (ms) | p99 serving only the 3 (ms) | ratio |",
-        "|---|---|---|---|---|",
-    ]
+        "| hot model | share | p99 serving only the 3 (ms) | "
+        + " | ".join(f"{n}: p99 (ms), ratio, own loads" for n in names) + " |",
+        f"|---|---|---|{'|'.join(['---'] * len(names))}|",
+    ]  # fmt: skip
     for name, ref in h["per_model"].items():
-        mine = b["per_model"][name]
-        ratio = (mine["p99_ms"] / ref["p99_ms"]) if mine["p99_ms"] and ref["p99_ms"] else None
+        cells = []
+        for n in names:
+            mine = servers[n]["per_model"][name]
+            own = len(servers[n]["cold_loads_s"].get(name, []))
+            cells.append(f"{_ms(mine['p99_ms'])}, {_ratio(mine['p99_ms'], ref['p99_ms'])}, {own}")
         lines.append(
-            f"| {name} | {r['models'][name]['share']:.3f} | {_ms(mine['p99_ms'])} | "
-            f"{_ms(ref['p99_ms'])} | {'-' if ratio is None else f'{ratio:.2f}x'} |"
-        )
+            f"| {name} | {r['models'][name]['share']:.3f} | {_ms(ref['p99_ms'])} | "
+            + " | ".join(cells) + " |"
+        )  # fmt: skip
     lines += [
         "",
-        "| model | MiB | share | cold loads | median load (s) | max load (s) | in-process (s) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+        "| the 3 hot models' requests | " + " | ".join(f"{n}: count, p50, p99 (ms)" for n in names)
+        + " |",
+        f"|---|{'|'.join(['---'] * len(names))}|",
+    ]  # fmt: skip
+    for part, label in (("no_load", "no load ran meanwhile"), ("during_a_load", "a load ran")):
+        cells = []
+        for n in names:
+            o = servers[n]["hot_by_overlap"][part]
+            cells.append(f"{o['count']}, {_ms(o['p50_ms'])}, {_ms(o['p99_ms'])}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| model | MiB | share | in-process (s) | "
+        + " | ".join(f"{n}: cold loads, median, max (s)" for n in names) + " |",
+        f"|---|---|---|---|{'|'.join(['---'] * len(names))}|",
+    ]  # fmt: skip
     for name, m in r["models"].items():
-        loads = b["cold_loads_s"].get(name, [])
-        med = f"{statistics.median(loads):.3f}" if loads else "-"
-        top = f"{max(loads):.3f}" if loads else "-"
+        cells = []
+        for n in names:
+            loads = servers[n]["cold_loads_s"].get(name, [])
+            cells.append(
+                f"{len(loads)}, {statistics.median(loads):.3f}, {max(loads):.3f}" if loads
+                else "0, -, -"
+            )  # fmt: skip
         lines.append(
-            f"| {name} | {m['file_mib']:.1f} | {m['share']:.3f} | {len(loads)} | {med} | {top} | "
-            f"{m['in_process_load_s']:.3f} |"
-        )
+            f"| {name} | {m['file_mib']:.1f} | {m['share']:.3f} | {m['in_process_load_s']:.3f} | "
+            + " | ".join(cells) + " |"
+        )  # fmt: skip
     return "\n".join(lines)
 
 
@@ -527,11 +648,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline-ms", type=float, default=2000.0)
     p.add_argument("--resident-hot", action="store_true",
                    help="mark the 3 hottest models resident (never evicted)")  # fmt: skip
+    p.add_argument("--policy", choices=("both", *POLICIES), default="both",
+                   help="the device's eviction rule; both: one server each, in turn")  # fmt: skip
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results-memory-budget.json")
     args = p.parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="aserve-memory-"))
     try:
-        results = run(args.duration, args.rate, args.deadline_ms, folder, args.resident_hot)
+        policies = POLICIES if args.policy == "both" else (args.policy,)
+        results = run(args.duration, args.rate, args.deadline_ms, folder, args.resident_hot,
+                      policies)  # fmt: skip
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     results["command"] = "python -m bench.memory_budget " + " ".join(argv or sys.argv[1:])

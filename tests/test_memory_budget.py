@@ -1,5 +1,6 @@
 """A device memory budget on a real server: models loaded at their first request,
-idle ones evicted least recently used first, the budget never passed.
+idle ones evicted (the one cheapest to evict first, by request counts; or least
+recently used first), the budget never passed.
 
 The servers run in the test's process (``inprocess.in_process``), so what the
 budget measures (the process's resident set) is this process's. The models
@@ -98,8 +99,13 @@ def ballast_model(name: str, folder: Path, mib: int, **extra: Any) -> dict[str, 
     }  # fmt: skip
 
 
-def budget(mib: int = BUDGET_MIB, grpc: bool = False) -> dict[str, Any]:
-    config: dict[str, Any] = {"devices": {"cpu": {"memory_budget_mib": mib}}}
+def budget(
+    mib: int = BUDGET_MIB, grpc: bool = False, eviction: str | None = None
+) -> dict[str, Any]:
+    cpu: dict[str, Any] = {"memory_budget_mib": mib}
+    if eviction is not None:
+        cpu["eviction"] = eviction
+    config: dict[str, Any] = {"devices": {"cpu": cpu}}
     if grpc:
         config["grpc"] = {"host": "127.0.0.1", "port": 0}
     return config
@@ -237,7 +243,14 @@ async def test_concurrent_requests_share_one_load(folder: Path) -> None:
 # --- eviction -----------------------------------------------------------------
 
 
-async def test_least_recently_used_is_evicted_and_the_budget_holds(
+# a is asked HOT times, then b once: b is the most recently used, a by far the
+# most asked. Each model's cost to evict is its request rate times its mean
+# load time; the loads are of one file size, so HOT to 1 decides it (a load
+# of one of them taking HOT times another's would be needed to turn it).
+HOT = 30
+
+
+async def test_the_model_cheapest_to_evict_goes_and_the_budget_holds(
     folder: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="aserve.memory")
@@ -245,12 +258,15 @@ async def test_least_recently_used_is_evicted_and_the_budget_holds(
     async with in_process({**budget(), "models": models}, folder) as srv:
         async with aiohttp.ClientSession() as session:
             c = Client(session, srv)
-            for name in ("a", "b", "a"):  # b is now the least recently used
+            for name in ["a"] * HOT + ["b"]:
                 status, body = await c.infer(name)
                 assert status == 200, body
                 assert c.used_mib() <= BUDGET_MIB
             index = await c.index()
             assert _state(index, "a") == ("READY", "") and _state(index, "b") == ("READY", "")
+            rate_a = (await c.stats("a"))["memory"]["requests_per_s"]
+            assert rate_a > (await c.stats("b"))["memory"]["requests_per_s"] > 0
+            # c's load needs room: b leaves, the most recently used but asked once.
             status, body = await c.infer("c", 0.0)
             assert status == 200, body
             assert body["outputs"][0]["data"] == [3.0] * 4
@@ -260,18 +276,20 @@ async def test_least_recently_used_is_evicted_and_the_budget_holds(
             assert _state(index, "b") == ("UNAVAILABLE", "evicted: to make room for model 'c/1'")
             assert index["b"]["memory"]["evictions"] == 1
             assert c.used_mib() <= BUDGET_MIB
-            # b loads again at its next request, evicting a (now the least recent).
+            # b loads again at its next request, evicting c (asked once), not a.
             status, body = await c.infer("b", 0.0)
             assert status == 200 and body["outputs"][0]["data"] == [2.0] * 4
             index = await c.index()
-            assert _state(index, "a")[1] == "evicted: to make room for model 'b/1'"
+            assert _state(index, "a") == ("READY", "")
+            assert _state(index, "c")[1] == "evicted: to make room for model 'b/1'"
             assert index["b"]["memory"]["loads"]["ok"] == 2
+            assert index["a"]["memory"]["loads"]["ok"] == 1
             assert c.used_mib() <= BUDGET_MIB
             text = await c.metrics()
             assert 'aserve_model_evictions_total{model="b",version="1"} 1.0' in text
-            assert 'aserve_model_evictions_total{model="a",version="1"} 1.0' in text
-            assert 'aserve_model_evictions_total{model="c",version="1"} 0.0' in text
-            assert 'aserve_model_state{model="a",state="UNAVAILABLE",version="1"} 1.0' in text
+            assert 'aserve_model_evictions_total{model="c",version="1"} 1.0' in text
+            assert 'aserve_model_evictions_total{model="a",version="1"} 0.0' in text
+            assert 'aserve_model_state{model="c",state="UNAVAILABLE",version="1"} 1.0' in text
             assert 'aserve_model_state{model="b",state="READY",version="1"} 1.0' in text
             assert 'aserve_model_loads_total{model="b",result="ok",version="1"} 2.0' in text
             assert 'aserve_model_load_duration_seconds_count{model="b",version="1"} 2.0' in text
@@ -284,10 +302,38 @@ async def test_least_recently_used_is_evicted_and_the_budget_holds(
             assert used <= BUDGET_MIB * MIB
     messages = [r.getMessage() for r in caplog.records if r.name == "aserve.memory"]
     assert any(
-        m.startswith("evicting model b/1 from cpu (least recently used") and "model c/1" in m
+        m.startswith("evicting model b/1 from cpu (costs least to evict: ") and "model c/1" in m
         for m in messages
     ), messages
     assert any(m.startswith("model c/1 loaded on cpu in ") and "(a request)" in m for m in messages)
+
+
+async def test_lru_evicts_the_least_recently_used(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same requests on a device with "eviction": "lru": a leaves, asked HOT
+    times but before b."""
+    caplog.set_level(logging.INFO, logger="aserve.memory")
+    models = [torch_model("a", "w1.pt"), torch_model("b", "w2.pt"), torch_model("c", "w3.pt")]
+    async with in_process({**budget(eviction="lru"), "models": models}, folder) as srv:
+        async with aiohttp.ClientSession() as session:
+            c = Client(session, srv)
+            for name in ["a"] * HOT + ["b", "c"]:
+                status, body = await c.infer(name)
+                assert status == 200, body
+            index = await c.index()
+            assert _state(index, "a") == ("UNAVAILABLE", "evicted: to make room for model 'c/1'")
+            assert _state(index, "b") == ("READY", "") and _state(index, "c") == ("READY", "")
+            assert c.used_mib() <= BUDGET_MIB
+    messages = [r.getMessage() for r in caplog.records if r.name == "aserve.memory"]
+    assert any(m.startswith("evicting model a/1 from cpu (least recently used;") for m in messages)
+
+
+def test_eviction_names_its_rules() -> None:
+    assert parse_config({"devices": {"cpu": {"eviction": "lru"}}}).devices["cpu"].eviction == "lru"
+    assert parse_config({"devices": {"cpu": {}}}).devices["cpu"].eviction == "cost"
+    with pytest.raises(ConfigError, match="eviction"):
+        parse_config({"devices": {"cpu": {"memory_budget_mib": 10, "eviction": "lfu"}}})
 
 
 async def test_a_resident_model_is_never_evicted(folder: Path) -> None:

@@ -704,7 +704,8 @@ class DeviceConfig(_Frozen):
     deadline comes first among those that can still meet theirs (a higher
     priority level first). ``memory_budget_mib`` bounds the memory the
     device's models hold together, as measured at their loads: before a load
-    that would pass it, idle models are unloaded, least recently used first.
+    that would pass it, idle on-demand models are unloaded, in the order
+    ``eviction`` says.
     """
 
     scheduling: Literal["independent", "shared"] = "independent"
@@ -713,6 +714,12 @@ class DeviceConfig(_Frozen):
     together, the next free slot to the most urgent batch."""
     slots: Annotated[int, Field(ge=1, le=256)] = 1
     memory_budget_mib: Annotated[int | None, Field(ge=1)] = None
+    eviction: Literal["cost", "lru"] = "cost"
+    """Which idle model leaves first to make room under ``memory_budget_mib``:
+    ``cost``, the one whose eviction costs least, its recent request rate (a
+    request counting half after 30 s) times its mean load time, ties least
+    recently used first; ``lru``, the least recently used, whatever its rate.
+    Applies in place on a reload."""
 
 
 class ServerConfig(_Frozen):

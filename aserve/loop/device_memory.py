@@ -17,7 +17,15 @@ from typing import Any, Protocol
 
 from aserve.loop.runtimes.base import ModelState, Runtime
 from aserve.obs.stats import Histogram
-from aserve.sched.eviction import MIB, Queued, estimate_footprint_mib, estimate_load_s, ready_at
+from aserve.sched.eviction import (
+    MIB,
+    Policy,
+    Queued,
+    RequestRate,
+    estimate_footprint_mib,
+    estimate_load_s,
+    ready_at,
+)
 
 LOAD_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -33,6 +41,7 @@ class OnDemand(Protocol):
     def resident(self) -> bool: ...
     @property
     def busy(self) -> bool: ...
+    async def until_idle(self, timeout_s: float) -> bool: ...
     async def evict(self, reason: str) -> None: ...
 
 
@@ -51,6 +60,9 @@ class ModelMemory:
     evictions: int = 0
     last_error: str | None = None
     load_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_BUCKETS_S))
+    # Its requests' recent rate (time.monotonic()), noted by its on-demand runtime
+    # at each request, loaded or not: what evicting it would cost.
+    requests: RequestRate = field(default_factory=RequestRate)
 
     def need_mib(self) -> float:
         """What a load of it needs: measured, else estimated from its files."""
@@ -69,6 +81,13 @@ class ModelMemory:
         if self.load_s is not None:
             return self.load_s
         return estimate_load_s(self.file_bytes or 0)
+
+    def mean_load_s(self) -> float:
+        """How long a load of it takes, for what evicting it costs: the mean of its
+        measured loads (one slow load under contention weighs less than as the
+        last), else estimated from its files."""
+        n = sum(self.load_seconds.counts)
+        return self.load_seconds.sum / n if n else self.expected_load_s()
 
     def doc(self) -> dict[str, Any]:
         """Its entry in the model's statistics and the repository index."""
@@ -124,9 +143,10 @@ class LoadCount:
 class DeviceMemory:
     """One device: its budget, the loads' lock and queue, and what its loaded models hold."""
 
-    def __init__(self, name: str, budget_mib: int | None) -> None:
+    def __init__(self, name: str, budget_mib: int | None, eviction: Policy = "cost") -> None:
         self.name = name
         self.budget_mib = budget_mib
+        self.eviction: Policy = eviction  # which idle model leaves first (sched.eviction)
         # Held for a whole load on a budgeted device (one load at a time, so that
         # each measure is the model's own); each device has its own.
         self.lock = asyncio.Lock()

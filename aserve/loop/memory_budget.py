@@ -18,9 +18,13 @@ room: if the model's footprint (measured at its last load; before its first,
 for an on-demand model :func:`aserve.sched.eviction.estimate_footprint_mib`
 of its files, on the high side, and for one loaded at startup or by a
 reload its files' size) does not fit beside what the loaded models hold,
-idle on-demand models are unloaded, least recently used first
-(:func:`aserve.sched.eviction.make_room`), never a resident or pinned one,
-never one with requests queued, running or waiting for it. When even that
+idle on-demand models are unloaded, in the order of the device's
+``eviction`` rule (:func:`aserve.sched.eviction.make_room`: by default the
+one whose eviction costs least first, its recent request rate times its
+mean load time; or least recently used first), never a resident or pinned
+one, never one with requests queued, running or waiting for it (under
+``cost``, a load waits up to its own expected time for a busy model that
+would be cheaper to evict than the idle ones to go idle). When even that
 cannot make room the load fails, saying what holds the memory. A load whose
 measured footprint turns out larger than assumed makes room again after it,
 or is unloaded and fails: what the loaded models hold, as measured, never
@@ -56,7 +60,7 @@ from aserve.engines.heap import map_large_blocks, release_freed_memory
 from aserve.loop.device_memory import DeviceMemory, Held, LoadCount, ModelMemory, OnDemand
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.runtimes.base import Runtime
-from aserve.sched.eviction import MIB, make_room
+from aserve.sched.eviction import MIB, make_room, worth_waiting
 from aserve.sched.eviction import Held as Candidate
 from aserve.workers.offload import run_off_loop
 
@@ -101,12 +105,14 @@ class MemoryBudget:
         self.configure(config)
 
     def configure(self, config: ServerConfig) -> None:
-        """Take the budgets of ``config``'s ``devices`` block (a reload's, in place:
-        a lower budget is made room for at the next load on the device)."""
+        """Take the budgets and eviction rules of ``config``'s ``devices`` block (a
+        reload's, in place: a lower budget is made room for at the next load on
+        the device)."""
         self._config = config
         for name, dev in self._devices.items():
             entry = config.devices.get(name)
             dev.budget_mib = entry.memory_budget_mib if entry is not None else None
+            dev.eviction = entry.eviction if entry is not None else "cost"
         for name in config.devices:
             self.device(name)
         budgeted = [d for d in self._devices.values() if d.budget_mib is not None]
@@ -118,7 +124,8 @@ class MemoryBudget:
         if dev is None:
             entry = self._config.devices.get(name)
             budget = entry.memory_budget_mib if entry is not None else None
-            dev = self._devices[name] = DeviceMemory(name, budget)
+            eviction = entry.eviction if entry is not None else "cost"
+            dev = self._devices[name] = DeviceMemory(name, budget, eviction)
         return dev
 
     def record(self, config: ModelConfig) -> ModelMemory:
@@ -315,13 +322,15 @@ class MemoryBudget:
     async def _make_room(
         self, dev: DeviceMemory, need_mib: float, label: str, loading: Runtime
     ) -> None:
-        """Unload idle on-demand models of ``dev``, least recently used first, until
-        ``need_mib`` fits in its budget; :class:`NoRoom` when it cannot. ``loading``
-        (the runtime being loaded, held already when the room is made after its
-        load) is never one of them."""
+        """Unload idle on-demand models of ``dev``, in the order of its eviction
+        rule, until ``need_mib`` fits in its budget; :class:`NoRoom` when it
+        cannot. ``loading`` (the runtime being loaded, held already when the room
+        is made after its load) is never one of them."""
         assert dev.budget_mib is not None
+        waited = False
         while True:
             entries = dev.entries()
+            now = time.monotonic()
             # Each by its index: two runtimes of one model may be held (a reload's).
             candidates = [
                 Candidate(
@@ -331,31 +340,75 @@ class MemoryBudget:
                     busy=e.runtime is loading or (
                         e.owner.busy if e.owner is not None else e.runtime.busy
                     ),
+                    rate_per_s=e.record.requests.per_s(now),
+                    load_s=e.record.mean_load_s(),
                 )
                 for i, e in enumerate(entries)
             ]  # fmt: skip
-            room = make_room(candidates, need_mib, dev.budget_mib)
+            room = make_room(candidates, need_mib, dev.budget_mib, dev.eviction)
             if room.fits and not room.evict:
                 return
+            if dev.eviction == "cost" and not waited:
+                waited = True
+                if await self._wait_for_cheaper(dev, entries, candidates, need_mib, label, loading):
+                    continue  # the state read again: choose anew
             if not room.fits:
                 raise NoRoom(_no_room(dev, need_mib, label, entries, loading))
             # No await between the choice (idle, by the state just read) and the
             # victim's detaching (in evict, before its first await): a request that
             # comes next finds it unloaded and waits for a load of its own.
-            victim = entries[int(room.evict[0])]
+            index = int(room.evict[0])
+            victim, chosen = entries[index], candidates[index]
             assert victim.owner is not None
-            idle = time.monotonic() - victim.owner.last_used
+            why = (
+                f"costs least to evict: {chosen.rate_per_s:.3f} requests/s x "
+                f"{chosen.load_s:.3f} s load"
+                if dev.eviction == "cost"
+                else "least recently used"
+            )
             log.info(
-                "evicting model %s from %s (least recently used, idle %.1f s, %.1f MiB) to make "
-                "room for model %s (needs %.1f MiB; %.1f of %d MiB held)",
-                victim.record.label, dev.name, idle, victim.footprint_mib, label, need_mib,
-                dev.used_mib(), dev.budget_mib,
+                "evicting model %s from %s (%s; idle %.1f s, %.1f MiB) to make room for "
+                "model %s (needs %.1f MiB; %.1f of %d MiB held)",
+                victim.record.label, dev.name, why, now - chosen.last_used,
+                victim.footprint_mib, label, need_mib, dev.used_mib(), dev.budget_mib,
             )  # fmt: skip
             victim.record.evictions += 1
             dev.forget(victim.runtime)
             await victim.owner.evict(f"to make room for model '{label}'")
             if not dev.name.startswith("cuda"):
                 await run_off_loop("returning an evicted model's memory", release_freed_memory)
+
+    async def _wait_for_cheaper(
+        self,
+        dev: DeviceMemory,
+        entries: list[Held],
+        candidates: list[Candidate],
+        need_mib: float,
+        label: str,
+        loading: Runtime,
+    ) -> bool:
+        """Wait, up to the load's own expected time, for the busy models that would
+        be cheaper to evict than the idle ones to go idle
+        (:func:`aserve.sched.eviction.worth_waiting`); whether it waited. A model
+        loaded for one request is typically still answering it when the next
+        load makes room: evicting a hot one instead costs that one a load."""
+        assert dev.budget_mib is not None
+        waitable = {
+            c.label for c, e in zip(candidates, entries, strict=True)
+            if e.owner is not None and e.runtime is not loading
+        }  # fmt: skip
+        wait = worth_waiting(candidates, need_mib, dev.budget_mib, waitable)
+        if not wait:
+            return False
+        owners = [entries[int(i)].owner for i in wait]
+        limit = self.record(loading.config).expected_load_s()
+        log.info(
+            "model %s waits up to %.3f s for %s to go idle (busy, cheaper to evict) before "
+            "making room on %s",
+            label, limit, ", ".join(entries[int(i)].record.label for i in wait), dev.name,
+        )  # fmt: skip
+        await asyncio.gather(*(o.until_idle(limit) for o in owners if o is not None))
+        return True
 
     # --- what is reported ------------------------------------------------------
 

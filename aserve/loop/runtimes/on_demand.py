@@ -29,12 +29,16 @@ otherwise wait for good. The repository index says whether it is loaded:
 ``READY``, or ``UNAVAILABLE`` with the reason ``not loaded: ...`` (never
 loaded yet), ``loading: ...``, ``evicted: ...``, ``failed: ...`` or
 ``unloaded``. ``resident`` (the config's, or :meth:`OnDemandRuntime.pin`, an
-explicit repository load) keeps it loaded once loaded.
+explicit repository load) keeps it loaded once loaded. Each request, loaded
+or not, is noted in its version's request rate
+(:class:`~aserve.sched.eviction.RequestRate`), which the device's ``cost``
+eviction rule weighs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
 import time
@@ -75,6 +79,9 @@ class OnDemandRuntime(Runtime):
         super().__init__(config, base_dir, gpu)
         self._fresh = fresh
         self._memory = memory
+        # Its version's loads and memory, and its request rate (kept across the
+        # runtimes of a reload): what evicting it would cost.
+        self._record = memory.record(config)
         self._shape = fresh(config)  # never loaded: its specs and metadata, from the config
         self._serve_specs(self._shape)
         self.state = ModelState.UNAVAILABLE
@@ -87,6 +94,8 @@ class OnDemandRuntime(Runtime):
         self._load: asyncio.Task[Runtime] | None = None
         self._failed_at: float | None = None
         self._active = 0  # requests inside infer: waiting for the load, queued or running
+        self._idle = asyncio.Event()  # set while _active is 0
+        self._idle.set()
         self._waiting = 0  # of those, the ones waiting for the load
         self._closed = False  # unloaded by its owner (a reload, the stop): loads no more
         self._device: DeviceScheduler | None = None
@@ -146,6 +155,15 @@ class OnDemandRuntime(Runtime):
     def busy(self) -> bool:
         inner = self._inner
         return self._active > 0 or (inner is not None and inner.busy)
+
+    async def until_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is inside it, at most ``timeout_s``; whether it is
+        idle then (the budget waits so for a model cheaper to evict). Cancelled,
+        it stops waiting."""
+        if self._active:
+            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+        return not self.busy
 
     @property
     def worker_pids(self) -> list[int]:
@@ -226,7 +244,9 @@ class OnDemandRuntime(Runtime):
         """As :meth:`Runtime.infer`; not loaded, the request loads it first (or
         joins its load) within its deadline, counted from ``arrival``."""
         self._active += 1
-        self.last_used = time.monotonic()
+        self._idle.clear()
+        self.last_used = now = time.monotonic()
+        self._record.requests.note(now)
         try:
             inner = self._inner
             if inner is None:
@@ -236,6 +256,8 @@ class OnDemandRuntime(Runtime):
             )
         finally:
             self._active -= 1
+            if self._active == 0:
+                self._idle.set()
             self.last_used = time.monotonic()
 
     def _failed_hold(self, now: float) -> float | None:
@@ -353,6 +375,7 @@ class OnDemandRuntime(Runtime):
         doc["memory"] = {
             "state": state, "reason": reason, "resident": self.resident,
             "waiting_for_load": self._waiting,
+            "requests_per_s": round(self._record.requests.per_s(time.monotonic()), 4),
             **(self._memory.memory_of(self.config) or {}),
         }  # fmt: skip
         return doc
