@@ -206,7 +206,10 @@ async def test_binary_size_mismatch_names_the_tensor(server, session):
 async def test_unknown_version_and_wrong_method_and_path(server, session):
     async with session.get(f"{server.base}/v2/models/affine/versions/9") as r:
         assert r.status == 404
-        assert "version '9'" in (await r.json())["error"]
+        assert (
+            "Request for unknown model: 'affine' version 9 is not found"
+            in (await r.json())["error"]
+        )
     async with session.post(f"{server.base}/v2/health/live") as r:
         assert r.status == 405
         assert "POST" in (await r.json())["error"]

@@ -187,9 +187,16 @@ async def test_refusals_name_why(raw_server: ServerProcess) -> None:
     base = raw_server.base
     async with aiohttp.ClientSession() as session:
         status, _, body = await _post(session, base + "/predictions/nope", b"x")
-        assert (status, orjson.loads(body)) == (404, {"error": "unknown model 'nope'"})
+        assert (status, orjson.loads(body)) == (
+            404,
+            {"error": "Request for unknown model: 'nope' is not found"},
+        )
         status, _, body = await _post(session, base + "/predictions/raw/9", b"x")
-        assert status == 404 and "no version '9'" in orjson.loads(body)["error"]
+        assert (
+            status == 404
+            and "Request for unknown model: 'raw' version 9 is not found"
+            in orjson.loads(body)["error"]
+        )
         status, _, body = await _post(session, base + "/predictions/affine", b"x")
         assert status == 400
         assert orjson.loads(body)["error"] == (

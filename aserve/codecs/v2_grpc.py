@@ -1,9 +1,10 @@
 """KServe V2 inference requests and responses over gRPC: protobuf <-> numpy.
 
-A tensor travels either as typed ``contents`` (one repeated field per
-datatype family) or as ``raw_input_contents`` / ``raw_output_contents`` (the
-binary extension's byte layout). The client chooses; the response answers
-raw when the request was raw, which is what tritonclient.grpc always sends.
+A request's tensor travels either as typed ``contents`` (one repeated field
+per datatype family) or in ``raw_input_contents`` (the binary extension's
+byte layout), the client's choice. Every answer is raw
+(``raw_output_contents``), as Triton's are: clients written against Triton's
+protobuf, tritonclient.grpc among them, read only those.
 Validation is shared with the HTTP codec (:mod:`aserve.codecs.validate`), so
 both frontends refuse the same requests with the same messages.
 """
@@ -87,8 +88,8 @@ def decode_infer_request(
     defer: bool = False,
     shm: SharedMemory | None = None,
 ) -> DecodedRequest:
-    """Validate one ModelInferRequest; ``binary_default`` says it came raw (or
-    used shared memory: the answer is raw then too, as tritonclient reads it).
+    """Validate one ModelInferRequest. ``binary_default`` is always true: every
+    gRPC answer is raw, whichever form the request's tensors came in.
 
     ``max_elements``, ``defer`` and ``shm`` as for
     :func:`aserve.codecs.v2.decode_request`: with ``defer``, tensors of many
@@ -149,8 +150,8 @@ def _decode(
             region, _, view = acquire(shm, tensor_params, f"input '{name}'", held)
             if tensor.HasField("contents"):
                 raise InvalidArgument(
-                    f"input '{name}' names a shared memory region and also sets contents; "
-                    "give one or the other"
+                    f"input '{name}' of model '{model}' names a shared memory region and also "
+                    "sets contents; give one or the other"
                 )
             # Read in place: a read-only view, so that no model writes into the client's memory.
             job = partial(
@@ -166,8 +167,9 @@ def _decode(
                 )
             if tensor.HasField("contents"):
                 raise InvalidArgument(
-                    f"input '{name}' sets contents while the request uses raw_input_contents; "
-                    "use one or the other for every input"
+                    f"input '{name}' of model '{model}' is given both as typed contents and "
+                    "in raw_input_contents; give it one way (a request with raw_input_contents "
+                    "has every input not in shared memory there)"
                 )
             job = partial(
                 tensor_from_bytes, name, spec.datatype, shape, count, raw[next_raw],
@@ -207,7 +209,7 @@ def _decode(
                 check_room(out.name, spec.datatype, [batch_size, *spec.shape], target)
             outputs.append((out.name, None))
     return DecodedRequest(
-        inputs, batch_size, shape_key, msg.id or None, outputs, bool(raw or held), timeout_s,
+        inputs, batch_size, shape_key, msg.id or None, outputs, True, timeout_s,
         params, pending, targets, held,
     )  # fmt: skip
 
@@ -274,36 +276,32 @@ def encode_infer_response(
     outputs: Mapping[str, np.ndarray],
     output_specs: Mapping[str, TensorSpec],
 ) -> pb.ModelInferResponse:
-    """The response message; raw when the request was raw or an output has no typed field.
+    """The response message, every output in ``raw_output_contents``.
 
-    ``raw_output_contents`` must then cover every output, in order: clients
-    index it by the output's position.
+    ``raw_output_contents`` covers every output, in order (an output written
+    into shared memory has an empty entry): clients index it by the output's
+    position.
     """
     names = [n for n, _ in req.outputs] if req.outputs is not None else list(output_specs)
-    raw = req.binary_default or any(output_specs[n].datatype not in CONTENTS_FIELD for n in names)
     response = pb.ModelInferResponse(
         model_name=model, model_version=version, id=req.client_id or ""
     )
     targets = req.shm_outputs
+    raw = response.raw_output_contents
     for name in names:
         arr = outputs[name]
-        datatype = output_specs[name].datatype
-        tensor = response.outputs.add(name=name, datatype=datatype, shape=arr.shape)
+        tensor = response.outputs.add(
+            name=name, datatype=output_specs[name].datatype, shape=arr.shape
+        )
         target = targets.get(name) if targets else None
-        if target is not None:  # written into the client's region; the answer says where
-            written = write_output(name, arr, target)
-            tensor.parameters[REGION].string_param = target.region
-            tensor.parameters[BYTE_SIZE].int64_param = written
-            if target.offset:
-                tensor.parameters[OFFSET].int64_param = target.offset
-            if raw:  # an empty entry keeps raw_output_contents in step with outputs
-                response.raw_output_contents.append(b"")
-        elif raw:
-            response.raw_output_contents.append(tensor_to_bytes(arr))
-        elif datatype == "BYTES":
-            tensor.contents.bytes_contents.extend(
-                x.encode() if isinstance(x, str) else bytes(x) for x in arr.ravel()
-            )
-        else:
-            getattr(tensor.contents, CONTENTS_FIELD[datatype]).extend(arr.ravel().tolist())
+        if target is None:
+            raw.append(tensor_to_bytes(arr))
+            continue
+        # Written into the client's region; the answer says where.
+        written = write_output(name, arr, target)
+        tensor.parameters[REGION].string_param = target.region
+        tensor.parameters[BYTE_SIZE].int64_param = written
+        if target.offset:
+            tensor.parameters[OFFSET].int64_param = target.offset
+        raw.append(b"")
     return response

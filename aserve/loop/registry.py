@@ -36,10 +36,13 @@ class ModelRegistry:
             return runtime
         if self.starting:
             raise Unavailable(f"model '{name}' is not ready: the server is starting")
+        # Worded as Triton's, which scripts match on; the versions served follow.
         if (name, None) not in self._routes:
-            raise NotFound(f"unknown model '{name}'")
+            raise NotFound(f"Request for unknown model: '{name}' is not found")
         have = ", ".join(self.versions(name))
-        raise NotFound(f"model '{name}' has no version '{version}' (versions: {have})")
+        raise NotFound(
+            f"Request for unknown model: '{name}' version {version} is not found (versions: {have})"
+        )
 
     def versions(self, name: str) -> list[str]:
         """The routed versions of ``name``, lowest first."""
