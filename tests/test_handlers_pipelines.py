@@ -309,8 +309,10 @@ def test_repository_index_load_and_unload(client, srv):
 
     with pytest.raises(InferenceServerException, match="model 'nope' is not in"):
         client.load_model("nope")
-    with pytest.raises(InferenceServerException, match="not supported"):
-        client.load_model("affine", config="{}")
+    # A model folder sent with the load is refused (a config override is taken:
+    # tests/test_load_override.py).
+    with pytest.raises(InferenceServerException, match=r"file:1/model\.pt are not supported"):
+        client.load_model("affine", config="{}", files={"file:1/model.pt": b"x"})
 
 
 def test_a_pipeline_follows_its_steps_readiness(client, srv):

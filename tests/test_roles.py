@@ -56,7 +56,7 @@ RESERVED_RPCS = [
     m
     for m, role in GRPC_METHODS.items()
     if role is Role.ADMIN
-    and not m.endswith("/RepositoryIndex")
+    and "/Repository" not in m
     and "/SystemSharedMemory" not in m
     and "/CudaSharedMemory" not in m
 ]

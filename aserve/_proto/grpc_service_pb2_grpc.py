@@ -84,6 +84,16 @@ class GRPCInferenceServiceStub:
                 request_serializer=grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
                 response_deserializer=grpc__service__pb2.RepositoryIndexResponse.FromString,
                 _registered_method=True)
+        self.RepositoryModelLoad = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelLoad',
+                request_serializer=grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=grpc__service__pb2.RepositoryModelLoadResponse.FromString,
+                _registered_method=True)
+        self.RepositoryModelUnload = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelUnload',
+                request_serializer=grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
+                _registered_method=True)
         self.SystemSharedMemoryStatus = channel.unary_unary(
                 '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
                 request_serializer=grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
@@ -181,6 +191,18 @@ class GRPCInferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RepositoryModelLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelUnload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SystemSharedMemoryStatus(self, request, context):
         """Triton's shared memory extensions: system shared memory regions, and CUDA
         shared memory (refused: aserve maps no GPU memory).
@@ -271,6 +293,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.RepositoryIndex,
                     request_deserializer=grpc__service__pb2.RepositoryIndexRequest.FromString,
                     response_serializer=grpc__service__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelLoad,
+                    request_deserializer=grpc__service__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=grpc__service__pb2.RepositoryModelLoadResponse.SerializeToString,
+            ),
+            'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelUnload,
+                    request_deserializer=grpc__service__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=grpc__service__pb2.RepositoryModelUnloadResponse.SerializeToString,
             ),
             'SystemSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.SystemSharedMemoryStatus,
@@ -573,6 +605,60 @@ class GRPCInferenceService:
             '/inference.GRPCInferenceService/RepositoryIndex',
             grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
             grpc__service__pb2.RepositoryIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelLoad',
+            grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
+            grpc__service__pb2.RepositoryModelLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RepositoryModelUnload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/inference.GRPCInferenceService/RepositoryModelUnload',
+            grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

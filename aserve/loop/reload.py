@@ -17,6 +17,11 @@ before the swap changes nothing: the new runtimes are unloaded, the old
 config stays in force, and the error (with its JSON path) is logged and kept
 in :class:`ReloadStatus` for ``GET /v2/config/status``.
 
+A repository load may carry a config override (an entry of the model, in
+aserve's form; the frontends read Triton's form into one): it is
+checked and applied as a reload, and stays in the config in force until a load
+without one or a config file that changes that entry.
+
 Sections that only a restart can apply (listeners, limits, drain timeout, gpu)
 are compared with what the server started with and reported, not applied.
 
@@ -59,8 +64,9 @@ from aserve.config import (
     archive_cache,
     parse_config,
 )
+from aserve.config.pipelines import check_pipelines
 from aserve.engines.checks import check_model_files
-from aserve.errors import InternalError, NotFound, Unavailable
+from aserve.errors import InternalError, InvalidArgument, NotFound, Unavailable
 from aserve.loop.archive_sweep import ArchiveSweeper
 from aserve.loop.changes import ChangeGivenUp, ChangeSlot
 from aserve.loop.memory_budget import MemoryBudget
@@ -221,6 +227,10 @@ class Reloader:
         self.status.in_progress = self._slot.progress_doc
         # Why each model version of the config in force last failed to load, until it loads.
         self.failed: dict[tuple[str, str], str] = {}
+        # Entries a repository load's config override replaced, by model key: (the
+        # file's entry, the override). The config in force holds the override until a
+        # load without one, or a config file that changes that entry.
+        self._overrides: dict[tuple[str, str], tuple[ModelConfig, ModelConfig]] = {}
 
     # --- lifecycle (called by the server) -------------------------------------
 
@@ -339,6 +349,7 @@ class Reloader:
                 file_config = await run_off_loop(
                     f"reading the config ({trigger})", self._parse, raw
                 )
+                file_config, overrides = self._keep_overrides(file_config)
                 await check_within(f"checking the config ({trigger})", file_config, self._check)
                 unloaded = self.unloaded & {m.name for m in file_config.models}
                 changes = await self._apply(file_config, unloaded)
@@ -355,6 +366,11 @@ class Reloader:
                 return
             self._file_config = file_config
             self.unloaded = unloaded
+            for key in self._overrides.keys() - overrides.keys():
+                log.info(
+                    "the config file changes model '%s/%s': its config override is dropped", *key
+                )
+            self._overrides = overrides
             self._applied_digest = digest
             self._applied_raw = raw
             self.status.config_hash = digest
@@ -365,13 +381,12 @@ class Reloader:
         for line in self.status.restart_required:
             log.warning("config change needs a restart to take effect: %s", line)
 
-    def _reread_archives(self, name: str) -> ServerConfig | None:
-        """The config in force, with the models of ``name`` that an archive gives
-        read again from the config's bytes in force: an archive replaced in place
-        since has another digest, so another ``root``, and the diff replaces the
-        model. The other models stay as they are. None when no model of ``name``
-        comes from an archive. Blocking: runs in a thread; the caller checks it."""
-        config = self._file_config
+    def _reread_archives(self, name: str, config: ServerConfig) -> ServerConfig | None:
+        """``config``, with the models of ``name`` that an archive gives read again
+        from the config's bytes in force: an archive replaced in place since has
+        another digest, so another ``root``, and the diff replaces the model. The
+        other models stay as they are. None when no model of ``name`` comes from
+        an archive. Blocking: runs in a thread; the caller checks it."""
         models = [m for m in config.models if m.name == name]
         if self._applied_raw is None or not any(archive_cache.digest_of(m.root) for m in models):
             return None
@@ -391,7 +406,12 @@ class Reloader:
         (unloaded models too: a repository load uses their folder), the routed
         runtimes, the ones draining."""
         runtimes = [*self._registry, *self._draining]
-        return [m.root for m in self._file_config.models] + [rt.config.root for rt in runtimes]
+        overridden = [entry.root for entry, _ in self._overrides.values()]  # a load goes back
+        return (
+            [m.root for m in self._file_config.models]
+            + overridden
+            + [rt.config.root for rt in runtimes]
+        )
 
     def _parse(self, raw: bytes) -> ServerConfig:
         """Parse and validate (archives read and checked). Blocking: runs in a thread."""
@@ -452,23 +472,32 @@ class Reloader:
             out.append(entry)
         return out
 
-    async def load_model(self, name: str) -> None:
-        """Load (or reload from its files) every version of ``name`` in the config in force."""
-        async with self._slot.hold(f"repository load '{name}'"):
+    async def load_model(self, name: str, override: dict[str, Any] | None = None) -> None:
+        """Load (or reload from its files) every version of ``name`` in the config in force.
+
+        With ``override`` (a model entry of ``name``, aserve's form, its version one
+        the config has), that entry is replaced by it, checked as a reload checks
+        a config; it stays in force until a load without one (which goes back to
+        the file's entry) or a config file that changes that entry. A bad override
+        raises InvalidArgument, one that fails to load InternalError, both
+        ``failed to load: ...``; either way what is served stays.
+        """
+        trigger = f"repository load '{name}'"
+        if override is not None:
+            trigger += " with a config override"
+        async with self._slot.hold(trigger):
             self._known(name)
             unloaded = self.unloaded - {name}
             was_pinned = name in self.pinned
             self.pinned.add(name)  # an on-demand model loads now and stays
-            trigger = f"repository load '{name}'"
             self._sweeper.want()
+            overrides = {k: v for k, v in self._overrides.items() if k[0] != name}
             try:
-                # As a config reload does: threads nothing waits for at exit, the
-                # handler imports bounded.
-                what = f"reading the archive of model '{name}' again"
-                again = await run_off_loop(what, self._reread_archives, name)
-                if again is not None:
-                    await check_within(f"checking model '{name}'", again, self._check)
-                file_config = self._file_config if again is None else again
+                if override is None:
+                    file_config = await self._reread(name, self._without_overrides(name))
+                else:
+                    file_config, held = await self._overridden(name, override)
+                    overrides[held[1].key] = held
                 routed = self._on_demand_routed(file_config, name)
                 if routed:  # loaded in place, as they are, and pinned
                     changes = await _pin_loaded(routed)
@@ -478,11 +507,114 @@ class Reloader:
                 if not was_pinned:
                     self.pinned.discard(name)
                 self._reject(trigger, str(exc))
-                raise InternalError(str(exc)) from None
+                if override is None:
+                    raise InternalError(str(exc)) from None
+                message = str(exc)
+                if not message.startswith("failed to load: "):
+                    message = f"failed to load: {message}"
+                if isinstance(exc, ConfigError):  # the override itself is wrong
+                    raise InvalidArgument(message) from None
+                raise InternalError(message) from None
             self._file_config = file_config
+            self._overrides = overrides
             self.unloaded = unloaded
             self.status.record(trigger, "ok", changes)
         log.info("%s: %s", trigger, _describe(changes))
+
+    async def _reread(self, name: str, config: ServerConfig) -> ServerConfig:
+        """``config`` with the archives of ``name`` read again, checked (as a config
+        reload does: threads nothing waits for at exit, the handler imports bounded)."""
+        what = f"reading the archive of model '{name}' again"
+        again = await run_off_loop(what, self._reread_archives, name, config)
+        if again is None:
+            return config
+        await check_within(f"checking model '{name}'", again, self._check)
+        return again
+
+    async def _overridden(
+        self, name: str, entry: dict[str, Any]
+    ) -> tuple[ServerConfig, tuple[ModelConfig, ModelConfig]]:
+        """The config in force with ``entry`` (an override of ``name``) in place of
+        its version's entry, the override checked as a reload checks a model (its
+        files, its handler imported); and (the file's entry, the override)."""
+        source = f"the config override of model '{name}'"
+        model = await run_off_loop(f"reading {source}", self._parse_override, source, entry)
+        if model.name != name:
+            raise ConfigError(
+                f"{source} names model '{model.name}'; leave 'name' out or give '{name}'"
+            )
+        base = self._file_config
+        index = next((i for i, m in enumerate(base.models) if m.key == model.key), None)
+        if index is None:
+            have = ", ".join(m.version for m in base.models if m.name == name)
+            raise ConfigError(
+                f"{source} is for version {model.version}, which the config does not have "
+                f"(versions: {have}); an override replaces one of the config's entries"
+            )
+        alone = base.model_copy(update={"models": [model]})
+        try:
+            await check_within(f"checking {source}", alone, self._check)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: " + str(exc).replace("  models[0].", "  ")) from None
+        models = list(base.models)
+        models[index] = model
+        config = _with_models(base, models, source)
+        held = self._overrides.get(model.key)
+        file_entry = held[0] if held is not None else base.models[index]
+        return config, (file_entry, model)
+
+    def _parse_override(self, source: str, entry: dict[str, Any]) -> ModelConfig:
+        """Validate an override entry (an archive it names read and checked).
+        Blocking: runs in a thread."""
+        data = {"archives": self._file_config.archives.model_dump(mode="json"), "models": [entry]}
+        try:
+            return parse_config(data, source=source, base_dir=self._base_dir).models[0]
+        except ConfigError as exc:  # the errors name the entry's keys, not models[0]'s
+            raise ConfigError(str(exc).replace("  models[0].", "  ")) from None
+
+    def _without_overrides(self, name: str) -> ServerConfig:
+        """The config in force with the file's entries of ``name`` back in place of
+        its overrides."""
+        config = self._file_config
+        if not any(key[0] == name for key in self._overrides):
+            return config
+        models = [
+            self._overrides[m.key][0] if m.key in self._overrides and m.name == name else m
+            for m in config.models
+        ]
+        return config.model_copy(update={"models": models})
+
+    def _keep_overrides(
+        self, config: ServerConfig
+    ) -> tuple[ServerConfig, dict[tuple[str, str], tuple[ModelConfig, ModelConfig]]]:
+        """A new config file's config, with the overrides in force in place of the
+        entries the file leaves as they were; and the overrides kept (one whose
+        entry the file changed, or removed, is dropped)."""
+        kept = {}
+        models = list(config.models)
+        for i, m in enumerate(models):
+            held = self._overrides.get(m.key)
+            if held is not None and held[0] == m:
+                models[i] = held[1]
+                kept[m.key] = held
+        if not kept:
+            return config, kept
+        return _with_models(config, models, "the config with its overrides"), kept
+
+    def entry_of(self, name: str, version: str | None = None) -> ModelConfig:
+        """The entry of ``name`` (of ``version``, else its highest) in the config in
+        force, an override's if it has one; NotFound when there is none."""
+        self._known(name)
+        entries = [m for m in self._file_config.models if m.name == name]
+        if version is None:
+            return max(entries, key=lambda m: int(m.version))
+        for m in entries:
+            if m.version == version:
+                return m
+        have = ", ".join(m.version for m in entries)
+        raise NotFound(
+            f"model '{name}' has no version '{version}' in the config (versions: {have})"
+        )
 
     def _on_demand_routed(self, file_config: ServerConfig, name: str) -> list[OnDemandRuntime]:
         """The routed runtimes of ``name``, when every version of it in ``file_config``
@@ -677,6 +809,16 @@ async def _pin_loaded(runtimes: list[OnDemandRuntime]) -> Changes:
             rt.unpin()
         raise ReloadRejected("\n".join(failed))
     return Changes(reconfigured=[rt.label for rt in runtimes])
+
+
+def _with_models(config: ServerConfig, models: list[ModelConfig], source: str) -> ServerConfig:
+    """``config`` serving ``models`` (the same keys as its own), the pipelines checked
+    again: a step's model may have other tensors now."""
+    changed = config.model_copy(update={"models": models})
+    lines = check_pipelines(changed)
+    if lines:
+        raise ConfigError(f"{source}: invalid config\n  " + "\n  ".join(lines))
+    return changed
 
 
 async def check_within(

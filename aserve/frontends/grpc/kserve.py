@@ -44,6 +44,7 @@ from aserve.frontends.common import (
 from aserve.frontends.grpc.arrival import call_budget
 from aserve.frontends.grpc.calls import end_call
 from aserve.frontends.grpc.generate import answer_decoupled
+from aserve.frontends.load_override import refuse_override_files, repository_load
 from aserve.frontends.model_config import triton_config_message
 from aserve.frontends.shm_regions import NO_GPU
 from aserve.frontends.status import GRPC_STATUS
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from aserve.loop.runtimes.base import Runtime
 
 EXTENSIONS: Final = [
-    "parameters", "statistics", "model_configuration", "system_shared_memory",
+    "parameters", "statistics", "model_repository", "model_configuration", "system_shared_memory",
 ]  # fmt: skip
 # Requests one stream may have in flight (read, not yet answered). Past it the
 # stream stops reading, and HTTP/2 flow control pushes back on the client.
@@ -172,6 +173,36 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 reason=entry["reason"],
             )  # fmt: skip
         return response
+
+    @_unary
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Any
+    ) -> pb.RepositoryModelLoadResponse:
+        # As HTTP's POST .../load: the "config" parameter is an override, as JSON text.
+        params = request.parameters
+        refuse_override_files(params)
+        config = None
+        if "config" in params:
+            if params["config"].WhichOneof("parameter_choice") != "string_param":
+                raise InvalidArgument(
+                    "parameter 'config' must be a string_param: the model's config as JSON text"
+                )
+            config = params["config"].string_param
+        await repository_load(self._ctx, request.model_name, config)
+        return pb.RepositoryModelLoadResponse()
+
+    @_unary
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Any
+    ) -> pb.RepositoryModelUnloadResponse:
+        dependents = False
+        if "unload_dependents" in request.parameters:
+            param = request.parameters["unload_dependents"]
+            if param.WhichOneof("parameter_choice") != "bool_param":
+                raise InvalidArgument("parameter 'unload_dependents' must be a bool_param")
+            dependents = param.bool_param
+        await self._ctx.reloader.unload_model(request.model_name, dependents)
+        return pb.RepositoryModelUnloadResponse()
 
     # --- shared memory (Triton's extensions) ---------------------------------
 

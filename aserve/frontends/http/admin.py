@@ -7,7 +7,9 @@
   ``POST /v2/repository/models/{m}/load`` and ``.../unload``. Models are those
   of the config file; load (re)loads a model as the file describes it (an
   ``.aserve`` archive read again: replaced in place, its new content is
-  served), unload takes it out of routing until it is loaded again.
+  served), or as a config override says (``{"parameters": {"config": "<JSON
+  text>"}}``, :mod:`aserve.frontends.load_override`); unload takes it out of
+  routing until it is loaded again.
 
 The work is done by :class:`aserve.loop.reload.Reloader`. Frontends layer, on the loop.
 """
@@ -21,6 +23,7 @@ from aiohttp import web
 from aserve.codecs.v2 import json_object
 from aserve.errors import AserveError, InvalidArgument
 from aserve.frontends.http.kit import RouteKit, error_response, json_response
+from aserve.frontends.load_override import refuse_override_files, repository_load
 
 if TYPE_CHECKING:
     from aserve.frontends.context import FrontendContext
@@ -51,13 +54,13 @@ def add_admin_routes(kit: RouteKit, ctx: FrontendContext) -> None:
         try:
             body = await _body(request)
             params = body.get("parameters") or {}
-            unsupported = sorted(k for k in params if k == "config" or k.startswith("file:"))
-            if unsupported:
+            refuse_override_files(params)
+            config = params.get("config")
+            if config is not None and not isinstance(config, str):
                 raise InvalidArgument(
-                    f"load parameter(s) {', '.join(unsupported)} are not supported: aserve "
-                    "loads a model as its config file describes it"
+                    "parameter 'config' must be a string: the model's config as JSON text"
                 )
-            await reloader.load_model(request.match_info["model"])
+            await repository_load(ctx, request.match_info["model"], config)
         except AserveError as exc:
             return error_response(exc)
         return web.Response(status=200)

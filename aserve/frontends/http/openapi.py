@@ -248,7 +248,11 @@ def build_document() -> dict[str, Any]:
         "/v2/config/status": {"get": _op("The config in force and the last reload")},
         "/v2/repository/index": {"post": _op("Every model of the config, with its state")},
         "/v2/repository/models/{model}/load": {
-            "post": _op("Load a model as the config describes it", errors=(400, 404)),
+            "post": _op(
+                "Load a model as the config describes it, or with a config override "
+                '(body {"parameters": {"config": "<JSON text>"}})',
+                errors=(400, 404, 500),
+            ),
             "parameters": _version_params(False),
         },
         "/v2/repository/models/{model}/unload": {
