@@ -105,7 +105,7 @@ GRPC_METHODS: Final[Mapping[str, Role]] = {
         )
     },
     _KSERVE + "RepositoryIndex": _A,
-    # Triton's RPCs that change the server (shared memory and repository load/unload offered, trace and logging not yet).
+    # Triton's RPCs that change the server (shared memory, repository load/unload; trace, logging not yet).
     **{
         _KSERVE + m: _A
         for m in (
