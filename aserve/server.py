@@ -45,7 +45,6 @@ from aserve.loop.loop_lag import LoopLag
 from aserve.loop.memory_budget import MemoryBudget
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.reload import ConfigSource, Reloader
-from aserve.loop.runtimes.base import Generator
 from aserve.loop.runtimes.factory import create_runtime
 from aserve.obs.device_metrics import DeviceCollector
 from aserve.obs.fd_limit import raise_open_file_limit
@@ -350,8 +349,7 @@ class Server:
                 timeout, CUT_OFF_S,
             )  # fmt: skip
             for rt in self.registry:
-                if isinstance(rt, Generator):
-                    rt.end_streams()  # each stream's handler sends its error and ends
+                rt.end_streams()  # each stream's route sends its error and ends
 
     def _answered(self) -> str:
         """The requests the frontends answered since start, by protocol and status."""

@@ -455,6 +455,12 @@ class ModelConfig(_Frozen):
     resident: bool = False
     """An on-demand model that, once loaded, is never unloaded to make room
     under the device's memory budget (startup models never are)."""
+    decoupled: bool = False
+    """A python handler that answers each request with any number of responses
+    (none, one or many; Triton's ``model_transaction_policy.decoupled``): its
+    ``stream(request)`` yields them. Served over gRPC ``ModelStreamInfer`` and
+    HTTP ``generate_stream`` (``/infer`` refuses it). Its streams run in the
+    server's threads, ``instances`` of them at once; more wait, by deadline."""
 
     @field_validator("inputs", "outputs")
     @classmethod
@@ -540,6 +546,8 @@ class ModelConfig(_Frozen):
                 "inputs, outputs: list them for a model with load 'on_demand': its requests "
                 "are checked against them before it loads"
             )
+        if self.decoupled:
+            _check_decoupled(self)
         _check_accelerator_fields(self)
         return self
 
@@ -550,6 +558,19 @@ class ModelConfig(_Frozen):
     def folder(self, base_dir: Path) -> Path:
         """Where this model's ``path`` and ``handler`` resolve: ``root``, else ``base_dir``."""
         return base_dir / self.root if self.root else base_dir
+
+
+def _check_decoupled(m: ModelConfig) -> None:
+    """A decoupled model is a python handler whose streams run in the server's threads."""
+    if m.engine != "python":
+        raise ValueError(f"decoupled: only for engine 'python' (this one is '{m.engine}')")
+    if m.executor != "thread":
+        raise ValueError(
+            "decoupled: a decoupled handler's streams run in the server's threads: "
+            "remove executor 'process'"
+        )
+    if m.load != "startup":
+        raise ValueError("decoupled: a decoupled model loads at startup: remove load 'on_demand'")
 
 
 def _check_accelerator_fields(m: ModelConfig) -> None:

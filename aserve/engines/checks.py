@@ -54,7 +54,7 @@ def check_model_files(config: ServerConfig, base_dir: Path) -> None:
             problems.append(f"models[{i}].engine: {problem}")
         if m.handler is not None:
             try:
-                import_handler(m.handler, folder)
+                import_handler(m.handler, folder, m.decoupled)
             except HandlerImportError as exc:
                 problems.append(f"models[{i}].handler: {exc}")
     if problems:

@@ -44,13 +44,28 @@ that is not valid UTF-8 (a lone surrogate in it), in the answer or in its
 JSON, fails the request with a message that says so, as does a content
 type that is not printable ASCII (a CR or LF in it, say).
 
+A decoupled model (``"decoupled": true``) answers a request with any
+number of responses. Its handler has, instead of the four methods above::
+
+    load(self, context)                       once, off the loop, before serving
+    stream(self, request) -> Iterator[dict]   per request, in a handler thread
+
+``stream`` is a generator: each dict it yields is one response, every
+declared output by name (arrays with the request's batch dimension first).
+It may yield none. The server takes each response as it comes, at most a
+few ahead of what the client has read (the generator waits at its
+``yield`` meanwhile); when the client goes, the generator is closed at its
+next ``yield`` (``GeneratorExit`` there, so its ``finally`` runs), and
+``request.cancelled()`` is true from then on, for a generator that waits
+between responses and wants to stop sooner.
+
 Everything in this module runs off the loop.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +80,7 @@ from aserve.obs.handler_metrics import MetricSet
 from aserve.types.text import first_surrogate
 
 REQUIRED_METHODS = ("load", "preprocess", "infer", "postprocess")
+DECOUPLED_METHODS = ("load", "stream")  # a decoupled model's handler
 RAW_METHOD = "preprocess_raw"  # a handler with it serves /predictions
 
 
@@ -106,6 +122,10 @@ class Part:
     filename_bytes: bytes | None = None
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass
 class HandlerRequest:
     """One request as ``preprocess`` and ``postprocess`` see it.
@@ -115,7 +135,8 @@ class HandlerRequest:
     ``batch_size`` is that dimension. ``state`` is free for the handler to
     carry something from ``preprocess`` to ``postprocess`` of this request.
     A raw request (``/predictions``) has no inputs (``batch_size`` 1) and
-    its ``body`` and ``content_type`` instead.
+    its ``body`` and ``content_type`` instead. ``cancelled()`` tells whether
+    the client has gone (a decoupled model's ``stream`` may stop early).
     """
 
     inputs: dict[str, np.ndarray]
@@ -125,6 +146,7 @@ class HandlerRequest:
     state: dict[str, Any] = field(default_factory=dict)
     body: bytes | list[Part] | None = None
     content_type: str | None = None
+    cancelled: Callable[[], bool] = _never
 
 
 def raw_answer(value: Any, where: str) -> tuple[bytes, str]:
@@ -178,7 +200,7 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"type {type(value).__name__} is not JSON serializable")
 
 
-def import_handler(spec: str, base_dir: Path) -> type:
+def import_handler(spec: str, base_dir: Path, decoupled: bool = False) -> type:
     """Import ``package.module:ClassName`` from ``base_dir``.
 
     The folder's modules are imported under a package of the folder's own
@@ -186,7 +208,8 @@ def import_handler(spec: str, base_dir: Path) -> type:
     same names (an archive's old content, another model's project) never
     stand in for them. A folder whose modules changed on disk since they were
     imported is imported afresh, so a reload picks up edited handler code.
-    Raises :class:`HandlerImportError`.
+    A decoupled model's class needs :data:`DECOUPLED_METHODS`, others
+    :data:`REQUIRED_METHODS`. Raises :class:`HandlerImportError`.
     """
     module_name, _, class_name = spec.partition(":")
     try:
@@ -199,11 +222,13 @@ def import_handler(spec: str, base_dir: Path) -> type:
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
         raise HandlerImportError(f"module '{module_name}' has no class '{class_name}'")
-    missing = [m for m in REQUIRED_METHODS if not callable(getattr(cls, m, None))]
+    required = DECOUPLED_METHODS if decoupled else REQUIRED_METHODS
+    missing = [m for m in required if not callable(getattr(cls, m, None))]
     if missing:
+        kind = "a decoupled model's handler" if decoupled else "a handler"
         raise HandlerImportError(
-            f"class '{spec}' lacks method(s) {', '.join(missing)}; a handler needs "
-            f"{', '.join(REQUIRED_METHODS)}"
+            f"class '{spec}' lacks method(s) {', '.join(missing)}; {kind} needs "
+            f"{', '.join(required)}"
         )
     return cls
 
@@ -255,7 +280,7 @@ class PythonHandlerEngine(Engine):
 
     def _load(self, role: str) -> None:
         assert self.config.handler is not None
-        cls = import_handler(self.config.handler, self.base_dir)
+        cls = import_handler(self.config.handler, self.base_dir, self.config.decoupled)
         c = self.config
         context = HandlerContext(
             c.name, c.version, c.device, c.instances, self.base_dir,

@@ -208,7 +208,7 @@ async def answer_decoupled(
         req = runtime.generate(seq, timeout, client_id, priority=priority)
     except Exception as exc:
         error = as_error(exc, "ModelStreamInfer", request.id)
-        out.send_final([_failed(request, error)])
+        out.send_final([failed_response(request, error)])
         return error.code.value
     empty_final = bool_parameter(request, EMPTY_FINAL)
     async with req:
@@ -234,7 +234,7 @@ async def answer_decoupled(
                 await out.send_partial([message])
         except Exception as exc:
             error = as_error(exc, "ModelStreamInfer", request.id)
-            out.send_final([_failed(request, error)])
+            out.send_final([failed_response(request, error)])
             return error.code.value
     last = pb.ModelInferResponse(
         model_name=runtime.name, model_version=runtime.version, id=request.id
@@ -244,7 +244,9 @@ async def answer_decoupled(
     return OK
 
 
-def _failed(request: pb.ModelInferRequest, error: AserveError) -> pb.ModelStreamInferResponse:
+def failed_response(
+    request: pb.ModelInferRequest, error: AserveError
+) -> pb.ModelStreamInferResponse:
     failed = pb.ModelInferResponse(
         model_name=request.model_name, model_version=request.model_version, id=request.id
     )

@@ -43,12 +43,13 @@ from aserve.frontends.common import (
 )
 from aserve.frontends.grpc.arrival import call_budget
 from aserve.frontends.grpc.calls import end_call
+from aserve.frontends.grpc.decoupled import answer_responses
 from aserve.frontends.grpc.generate import answer_decoupled
 from aserve.frontends.load_override import refuse_override_files, repository_load
 from aserve.frontends.model_config import triton_config_message
 from aserve.frontends.shm_regions import NO_GPU
 from aserve.frontends.status import GRPC_STATUS
-from aserve.loop.runtimes.base import Generator
+from aserve.loop.runtimes.base import Decoupled, Generator
 
 if TYPE_CHECKING:
     from aserve.frontends.context import FrontendContext
@@ -352,7 +353,9 @@ class _Stream:
     When the call is cancelled, every request still in flight is cancelled
     and leaves its queue. A request to a decoder model is answered as it
     generates (decoupled: a response per piece of text, see
-    :func:`aserve.frontends.grpc.generate.answer_decoupled`).
+    :func:`aserve.frontends.grpc.generate.answer_decoupled`), one to a
+    decoupled model with a message per response it yields
+    (:func:`aserve.frontends.grpc.decoupled.answer_responses`).
     """
 
     def __init__(self, servicer: InferenceServicer, context: grpc.aio.ServicerContext) -> None:
@@ -419,6 +422,13 @@ class _Stream:
                     call.status = await answer_decoupled(
                         self, runtime, request, self._context.time_remaining(),
                         self._servicer._max_timeout_s,
+                    )  # fmt: skip
+                    return
+                if isinstance(runtime, Decoupled):
+                    call.status = await answer_responses(
+                        self, runtime, request, self._context.time_remaining(),
+                        self._servicer._max_timeout_s, ctx.config.limits.max_tensor_elements,
+                        ctx.shared_memory,
                     )  # fmt: skip
                     return
                 # Counted from now: it was read just now, long after the call began.

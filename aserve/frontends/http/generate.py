@@ -16,7 +16,9 @@ admitted first, 0 by default). The answer: ``{"id"?, "model_name", "model_versio
 Errors before the stream starts are ordinary ``{"error": "..."}`` answers
 with the status of :data:`aserve.frontends.status.HTTP_STATUS`; after it
 starts, ``data: {"error": "..."}`` (NDJSON: a last line ``{"error": "..."}``)
-and the end of the stream. (Frontends layer; handlers run on the loop.)
+and the end of the stream. A decoupled model takes its inputs as top-level
+keys and answers its outputs (:mod:`aserve.frontends.http.generate_responses`).
+(Frontends layer; handlers run on the loop.)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.validate import request_timeout
 from aserve.errors import AserveError, ErrorCode, InvalidArgument
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
+from aserve.frontends.http.generate_responses import GenerateResponses
 from aserve.frontends.http.kit import (
     ARRIVAL_KEY,
     RUNTIME_KEY,
@@ -39,6 +42,7 @@ from aserve.frontends.http.kit import (
 )
 from aserve.frontends.http.stream import json_stream
 from aserve.loop.prompt_size import body_limit
+from aserve.loop.runtimes.base import Decoupled
 from aserve.loop.runtimes.generation import generation_runtime, parameter_priority
 
 if TYPE_CHECKING:
@@ -55,6 +59,17 @@ class TritonGenerate:
         self._ctx = ctx
         self._read_json = kit.read_json
         self._max_timeout_s = ctx.config.limits.max_timeout_ms / 1e3
+        self._responses = GenerateResponses(ctx, kit.read_json)
+
+    def _decoupled(self, request: web.Request) -> bool:
+        """Whether the request names a decoupled model (an unknown one is the
+        decoder path's to refuse)."""
+        info = request.match_info
+        try:
+            runtime = self._ctx.registry.get(info["model"], info.get("version") or None)
+        except AserveError:
+            return False
+        return isinstance(runtime, Decoupled)
 
     def add_routes(self, kit: RouteKit) -> None:
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
@@ -110,6 +125,8 @@ class TritonGenerate:
         return req, head, ("" if exclude else prompt)
 
     async def generate(self, request: web.Request) -> web.Response:
+        if self._decoupled(request):
+            return await self._responses.generate(request)
         try:
             req, head, prefix = await self._start(request)
             async with req:
@@ -125,6 +142,8 @@ class TritonGenerate:
         return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        if self._decoupled(request):
+            return await self._responses.generate_stream(request)
         try:
             req, head, prefix = await self._start(request)
         except AserveError as exc:

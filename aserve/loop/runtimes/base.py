@@ -7,7 +7,9 @@ A runtime serves one model version. The registry routes to it, the reloader
 loads, reconfigures, drains and unloads it, and the frontends ask it for its
 metadata, readiness and statistics and hand it requests, all through
 :class:`Runtime` alone; the generation routes also through :class:`Generator`,
-the contract of a runtime that streams generated text. The classes that keep it:
+the contract of a runtime that streams generated text, and the streaming
+routes through :class:`Decoupled`, that of a runtime that answers a request
+with any number of responses. The classes that keep it:
 
 - :class:`~aserve.loop.runtimes.batched.ModelRuntime`: an engine on executor
   threads or worker processes behind a deadline batcher;
@@ -15,7 +17,9 @@ the contract of a runtime that streams generated text. The classes that keep it:
   pre- and postprocessing stages composed around a batched runtime;
 - :class:`~aserve.loop.runtimes.pipeline.PipelineRuntime`: other models in turn;
 - :class:`~aserve.loop.runtimes.generation.GenerationRuntime`: a decoder model
-  that streams tokens (a :class:`Generator`).
+  that streams tokens (a :class:`Generator`);
+- :class:`~aserve.loop.runtimes.decoupled.DecoupledRuntime`: a user's handler
+  that yields responses (a :class:`Decoupled`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ if TYPE_CHECKING:
     from aserve.engines.decoder import Sequence as EngineSequence
     from aserve.loop.continuous import GenerationRequest
     from aserve.loop.device_scheduler import DeviceScheduler
+    from aserve.loop.runtimes.decoupled import ResponseStream
     from aserve.obs.handler_metrics import MetricSet
     from aserve.types.generation import SamplingParams
 
@@ -259,6 +264,12 @@ class Runtime(abc.ABC):
         and a pipeline's (each its step models') do not ask a device for slots."""
         del device  # this one has no batcher: nothing runs on the device's slots
 
+    def end_streams(self) -> None:
+        """End every queued and running stream now, each with an error its route
+        sends (a drain's cut-off). Runtimes that stream (:class:`Generator`,
+        :class:`Decoupled`) have streams to end; the others none."""
+        return  # nothing streams here
+
     # --- requests and what is reported ------------------------------------------
 
     @abc.abstractmethod
@@ -356,6 +367,38 @@ class Generator(Runtime):
     def end_streams(self) -> None:
         """End every queued and running stream now, each with an error its route
         sends (a drain's cut-off); new requests are refused."""
+
+
+class Decoupled(Runtime):
+    """A runtime that answers a request with any number of responses (Triton's
+    decoupled models): the contract of gRPC ``ModelStreamInfer`` and HTTP
+    ``generate_stream`` for models of tensors. Its :meth:`Runtime.infer`
+    refuses, naming those routes. A route decodes a request as for ``infer``
+    (against ``input_specs``), then::
+
+        stream = runtime.stream(inputs, batch_size, timeout_s, arrival=t)  # or refused
+        async with stream:                   # leaving early cancels it
+            async for outputs in stream: ... # a dict of output arrays per response
+
+    An abstract class, like :class:`Generator`, tested per request.
+    """
+
+    @abc.abstractmethod
+    def stream(
+        self,
+        inputs: dict[str, np.ndarray],
+        batch_size: int,
+        timeout_s: float,
+        client_id: str | None = None,
+        parameters: dict[str, Any] | None = None,
+        *,
+        arrival: float | None = None,
+    ) -> ResponseStream:
+        """Queue a request: its stream of responses, or a refusal at once
+        (Unavailable, QueueFull, DeadlineExceeded). Its deadline, ``arrival``
+        + ``timeout_s`` as :meth:`Runtime.infer`'s, bounds the wait for the
+        stream to start; the stream's error (the handler's, or a cut-off)
+        is raised by its iteration."""
 
 
 def load_timeout_only(old: ModelConfig, new: ModelConfig) -> bool:

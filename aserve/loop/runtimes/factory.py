@@ -9,6 +9,7 @@ from aserve.loop.memory_budget import MemoryBudget
 from aserve.loop.registry import ModelRegistry
 from aserve.loop.runtimes.base import Runtime
 from aserve.loop.runtimes.batched import ModelRuntime
+from aserve.loop.runtimes.decoupled import DecoupledRuntime
 from aserve.loop.runtimes.generation import GenerationRuntime
 from aserve.loop.runtimes.handler import HandlerRuntime
 from aserve.loop.runtimes.on_demand import OnDemandRuntime
@@ -32,6 +33,8 @@ def create_runtime(
             lambda c: create_runtime(c, base_dir, registry, gpu), memory,
         )  # fmt: skip
     base_dir = config.folder(base_dir)  # an archive's model resolves in its extracted folder
+    if config.engine == "python" and config.decoupled:
+        return DecoupledRuntime(config, base_dir, gpu)
     if config.engine == "python":
         return HandlerRuntime(config, base_dir, gpu)
     if config.engine == "pipeline":

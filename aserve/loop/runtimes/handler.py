@@ -398,7 +398,7 @@ class HandlerRuntime(Runtime):
                 raise InternalError(
                     f"model '{self.label}' postprocess returned no output '{spec.name}'"
                 )
-            out[spec.name] = _as_output(self.label, spec, response[spec.name], batch_size)
+            out[spec.name] = as_output(self.label, spec, response[spec.name], batch_size)
         return out
 
 
@@ -420,7 +420,7 @@ def _batch_size(arrays: Any, stage: str, label: str = "") -> int:
     return size
 
 
-def _as_output(label: str, spec: TensorSpec, value: Any, batch_size: int) -> np.ndarray:
+def as_output(label: str, spec: TensorSpec, value: Any, batch_size: int) -> np.ndarray:
     if spec.datatype == "BYTES":
         given = np.asarray(value, dtype=object)
         items = []

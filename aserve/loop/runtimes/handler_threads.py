@@ -6,6 +6,10 @@ its thread pool (``loop.run_in_executor``), and they run the user's
 ``preprocess``/``postprocess`` there. They touch no asyncio object; their
 results travel back through the executor's future.
 
+A decoupled model's generator (:func:`stream_threadsafe`) sends its responses
+back through :func:`aserve.workers.handoff.post_threadsafe`, one at a time,
+and learns of a client that went from a ``threading.Event``.
+
 One value crosses the boundary without a future: :class:`TimedStage` learns
 how long a stage takes, written by the handler threads (several may add at
 once) and read by the loop for its backlog estimate. No lock: each float
@@ -14,8 +18,9 @@ store is atomic under the GIL, and an estimate off by one sample is harmless.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from aserve.engines.python_handler import HandlerRequest, raw_answer
@@ -64,3 +69,45 @@ def raw_post_threadsafe(
 ) -> Any:
     """On a handler thread: a raw request's postprocess, encoded as its answer."""
     return raw_answer(fn(outputs, request), name)
+
+
+def stream_threadsafe(
+    fn: Callable[[HandlerRequest], Any],
+    request: HandlerRequest,
+    check: Callable[[Any], Any],
+    credits: threading.Semaphore,
+    closed: threading.Event,
+    push: Callable[[Any], None],
+) -> int:
+    """On a handler thread: a decoupled handler's ``fn(request)`` generator run
+    to its end; returns how many responses it pushed.
+
+    Each response is checked (``check``, which raises for one that is wrong)
+    and handed to ``push`` after taking one of ``credits``, which the loop
+    gives back as the client takes responses: a slow client holds the
+    generator at its ``yield``. When ``closed`` is set (the client went), the
+    generator is closed at its next ``yield``: ``GeneratorExit`` is raised
+    there, so its ``finally`` runs. Its exceptions propagate, as the
+    request's error.
+    """
+    responses = fn(request)
+    if not isinstance(responses, Iterator):
+        raise TypeError(
+            f"stream returned {type(responses).__name__}, not a generator: yield each response"
+        )
+    pushed = 0
+    try:
+        for value in responses:
+            response = check(value)
+            credits.acquire()  # released by the loop for each response taken, and on close
+            if closed.is_set():
+                break
+            push(response)
+            pushed += 1
+            if closed.is_set():
+                break
+    finally:
+        close = getattr(responses, "close", None)
+        if callable(close):
+            close()
+    return pushed
