@@ -155,6 +155,21 @@ else
   echo "skipped: no CUDA device (python -m bench.shared_device runs the CPU version)"
 fi
 
+say "many models in a memory budget on cuda:0: loads on demand, eviction (cost rule)"
+BUDGET_RC=0
+if [ "$MODE" = gpu ]; then
+  timeout 420 "$PY" -m bench.memory_budget --device cuda:0 --policy cost \
+    --duration "${BUDGET_DURATION:-60}" --json "$WORK/memory-budget.json" 2>&1 \
+    | tee "$WORK/memory-budget.md"
+  BUDGET_RC=${PIPESTATUS[0]}
+  if [ -f "$REPORT" ]; then
+    { echo; echo "## Many models in a memory budget (bench.memory_budget --device cuda:0)"; echo
+      grep '^|\|budget' "$WORK/memory-budget.md"; } >> "$REPORT"
+  fi
+else
+  echo "skipped: no CUDA device (python -m bench.memory_budget runs the CPU version)"
+fi
+
 say "report: $REPORT"
 if [ -f "$REPORT" ]; then cat "$REPORT"; fi
 if [ "$MODE" = cpu ]; then
@@ -167,10 +182,12 @@ if [ "$MODE" = cpu ]; then
   echo "  (see 'Skipped' in the report; the CPU smoke rows only show the harness works)"
   echo "- aserve serve on a TensorRT .plan reading its tensors from the engine"
   echo "- many models on one device (bench.shared_device --device cuda:0)"
+  echo "- many models in a memory budget (bench.memory_budget --device cuda:0)"
 fi
 echo "gpu_check: tests exit $TESTS_RC, bench exit $BENCH_RC, plan serve exit $PLAN_RC," \
-  "shared device exit $SHARED_RC"
+  "shared device exit $SHARED_RC, memory budget exit $BUDGET_RC"
 [ "$TESTS_RC" -eq 0 ] || [ "$TESTS_RC" -eq 5 ] || exit 1
 [ "$PLAN_RC" -eq 0 ] || exit 1
 [ "$SHARED_RC" -eq 0 ] || exit 1
+[ "$BUDGET_RC" -eq 0 ] || exit 1
 exit "$BENCH_RC"

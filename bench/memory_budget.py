@@ -38,7 +38,12 @@ Measured, for each rule:
   runs: 1 and 8, twice), one thread.
 
     python -m bench.memory_budget [--duration 300] [--rate 20] [--deadline-ms 2000]
-        [--policy both|cost|lru] [--resident-hot]
+        [--policy both|cost|lru] [--resident-hot] [--device cpu|cuda:N]
+
+With ``--device cuda:N`` the models and the budget are on that GPU, and the
+memory sampled is the device's own (``torch.cuda.mem_get_info``: what every
+process holds on it, less what it held once the server was ready), in place
+of the RSS.
 
 writes ``bench/results-memory-budget.json`` and prints markdown tables.
 """
@@ -79,6 +84,8 @@ MIB = 1 << 20
 RSS_EVERY_S = 0.05
 METRICS_EVERY_S = 0.5
 POLICIES = ("cost", "lru")
+# Where the models run (--device): cpu, or a GPU whose memory is then what is sampled.
+DEVICE = "cpu"
 
 
 # --- the models -------------------------------------------------------------------
@@ -113,11 +120,13 @@ def in_process_load_s(path: Path) -> float:
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        m = torch.jit.load(str(path), map_location="cpu").eval()
+        m = torch.jit.load(str(path), map_location=DEVICE).eval()
     with torch.inference_mode():
         for _ in range(2):
             for b in (1, 8):
-                m(torch.zeros(b, FEATURES))
+                m(torch.zeros(b, FEATURES, device=DEVICE))
+    if DEVICE != "cpu":
+        torch.cuda.synchronize(DEVICE)
     return time.perf_counter() - t0
 
 
@@ -126,6 +135,7 @@ def model_entry(
 ) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "name": f"m{rank}", "engine": "torch", "path": f"m{rank}.pt", "cpu_threads": 1,
+        "device": DEVICE,
         "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [FEATURES]}],
         "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [FEATURES]}],
         "batching": {"max_batch_size": 8, "max_delay_ms": 1.0, "timeout_ms": deadline_ms},
@@ -147,7 +157,7 @@ def write_config(
                    for k in ranks],
     }  # fmt: skip
     if budget_mib is not None:
-        config["devices"] = {"cpu": {"memory_budget_mib": budget_mib, "eviction": eviction}}
+        config["devices"] = {DEVICE: {"memory_budget_mib": budget_mib, "eviction": eviction}}
     path = folder / (f"budget-{eviction}.json" if budget_mib is not None else "hot-only.json")
     path.write_text(json.dumps(config, indent=2))
     return path
@@ -187,6 +197,10 @@ class Sampler(threading.Thread):
         self.used: list[tuple[float, float]] = []
 
     def tree_rss(self) -> int:
+        """The server tree's RSS; on a GPU, what the device holds (every process's)."""
+        if DEVICE != "cpu":
+            free, total = torch.cuda.mem_get_info(DEVICE)
+            return total - free
         try:
             root = psutil.Process(self._pid)
             procs = [root, *root.children(recursive=True)]
@@ -217,7 +231,7 @@ class Sampler(threading.Thread):
 
 
 def scrape_used(base: str) -> float | None:
-    """aserve_device_memory_used_bytes of the cpu, from /metrics (blocking)."""
+    """aserve_device_memory_used_bytes of the device, from /metrics (blocking)."""
     import urllib.request
 
     try:
@@ -225,7 +239,8 @@ def scrape_used(base: str) -> float | None:
             text = r.read().decode()
     except OSError:
         return None
-    m = re.search(r'^aserve_device_memory_used_bytes\{device="cpu"\} (\S+)$', text, re.M)
+    line = rf'^aserve_device_memory_used_bytes\{{device="{re.escape(DEVICE)}"\}} (\S+)$'
+    m = re.search(line, text, re.M)
     return float(m.group(1)) if m else None
 
 
@@ -333,7 +348,7 @@ async def warm(base: str, ranks: list[int]) -> None:
 
 # --- what the server's log says -----------------------------------------------------
 
-LOADED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: model (m\d+)/1 loaded on cpu in ([\d.]+) s")
+LOADED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: model (m\d+)/1 loaded on \S+ in ([\d.]+) s")
 EVICTED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: evicting model (m\d+)/1 ")
 WAITED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: model (m\d+)/1 waits up to ")
 
@@ -566,7 +581,7 @@ def render(r: dict[str, Any]) -> str:
         return f"| {label} | " + " | ".join(str(v) for v in values) + " |"
 
     lines = [
-        f"{len(r['models'])} models, budget {r['budget_mib']} MiB on the cpu (about {FIT} of "
+        f"{len(r['models'])} models, budget {r['budget_mib']} MiB on the {r.get('device', 'cpu')} (about {FIT} of "
         f"their mean size), Zipf(1.0) open loop at {r['rate']:g} req/s for "
         f"{r['duration_s']:g} s, deadline {r['deadline_ms']:g} ms"
         + (f"; {', '.join(r['resident'])} marked resident." if r.get("resident") else "."),
@@ -650,8 +665,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="mark the 3 hottest models resident (never evicted)")  # fmt: skip
     p.add_argument("--policy", choices=("both", *POLICIES), default="both",
                    help="the device's eviction rule; both: one server each, in turn")  # fmt: skip
+    p.add_argument("--device", default="cpu", help="cpu, or cuda:N: the models on that GPU")
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results-memory-budget.json")
     args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     folder = Path(tempfile.mkdtemp(prefix="aserve-memory-"))
     try:
         policies = POLICIES if args.policy == "both" else (args.policy,)
@@ -660,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     results["command"] = "python -m bench.memory_budget " + " ".join(argv or sys.argv[1:])
+    results["device"] = DEVICE
     args.json.write_text(json.dumps(results, indent=2))
     print(render(results))
     return 0
