@@ -351,23 +351,14 @@ class ModelRuntime(Runtime):
 
     def triton_config(self) -> dict[str, Any]:
         """Settings with no Triton field go in ``parameters`` as strings."""
-        c, b = self.config, self.config.batching
+        b = self.config.batching
         return {
             **tensor_triton_config(self),
             "dynamic_batching": {
                 "preferred_batch_size": list(b.preferred_batch_sizes),
                 "max_queue_delay_microseconds": round(b.max_delay_ms * 1000),
             },
-            "instance_group": [instance_group(self.name, c.instances, c.device)],
-            "parameters": string_parameters(
-                (
-                    ("version", self.version),
-                    ("device", c.device),
-                    ("cpu_threads", c.cpu_threads),
-                    ("max_queue_size", b.max_queue_size),
-                    ("timeout_ms", b.timeout_ms),
-                )
-            ),
+            **instances_triton_config(self),
         }
 
     def statistics(self) -> dict[str, Any]:
@@ -435,6 +426,23 @@ def tensor_triton_config(runtime: Runtime) -> dict[str, Any]:
         "max_batch_size": runtime.config.batching.max_batch_size,
         "input": [_config_tensor(s) for s in runtime.input_specs.values()],
         "output": [_config_tensor(s) for s in runtime.output_specs.values()],
+    }
+
+
+def instances_triton_config(runtime: Runtime) -> dict[str, Any]:
+    """A model's ``instance_group`` and, as strings, its settings with no Triton field."""
+    c, b = runtime.config, runtime.config.batching
+    return {
+        "instance_group": [instance_group(runtime.name, c.instances, c.device)],
+        "parameters": string_parameters(
+            (
+                ("version", runtime.version),
+                ("device", c.device),
+                ("cpu_threads", c.cpu_threads),
+                ("max_queue_size", b.max_queue_size),
+                ("timeout_ms", b.timeout_ms),
+            )
+        ),
     }
 
 

@@ -49,11 +49,14 @@ from aserve.errors import (
 from aserve.loop.runtimes.base import (
     Decoupled,
     ModelState,
-    instance_group,
     load_timeout_only,
-    string_parameters,
 )
-from aserve.loop.runtimes.batched import platform_of, tensor_metadata, tensor_triton_config
+from aserve.loop.runtimes.batched import (
+    instances_triton_config,
+    platform_of,
+    tensor_metadata,
+    tensor_triton_config,
+)
 from aserve.loop.runtimes.handler import as_output
 from aserve.loop.runtimes.handler_threads import stream_threadsafe
 from aserve.obs.handler_metrics import MetricSet
@@ -265,20 +268,10 @@ class DecoupledRuntime(Decoupled):
         return tensor_metadata(self, platform_of(self.config))
 
     def triton_config(self) -> dict[str, Any]:
-        c, b = self.config, self.config.batching
         return {
             **tensor_triton_config(self),
             "model_transaction_policy": {"decoupled": True},
-            "instance_group": [instance_group(self.name, c.instances, c.device)],
-            "parameters": string_parameters(
-                (
-                    ("version", self.version),
-                    ("device", c.device),
-                    ("cpu_threads", c.cpu_threads),
-                    ("max_queue_size", b.max_queue_size),
-                    ("timeout_ms", b.timeout_ms),
-                )
-            ),
+            **instances_triton_config(self),
         }
 
     def statistics(self) -> dict[str, Any]:
