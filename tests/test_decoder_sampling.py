@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from aserve.engines.decoder.sampling import filtered_probs, make_generator, sample
+from aserve.engines.decoder.sampling import adjust_logits, filtered_probs, make_generator, sample
+from aserve.engines.decoder.sequence import Sequence
 from aserve.errors import InvalidArgument
 from aserve.types.generation import SamplingParams
 
@@ -22,6 +23,27 @@ def _filter(
         torch.tensor([top_p]),
     )
     return {int(i): float(p) for i, p in zip(ids[0], probs[0], strict=True) if p > 0}
+
+
+def _seqs(
+    params: list[SamplingParams], gens: list[torch.Generator] | None = None,
+    prompts: list[list[int]] | None = None, outputs: list[list[int]] | None = None,
+    stops: frozenset[int] = frozenset(),
+) -> list[Sequence]:  # fmt: skip
+    """Engine sequences as the sampler sees them: settings, generator, tokens so far."""
+    seqs = []
+    for i, p in enumerate(params):
+        seq = Sequence(f"r{i}", list(prompts[i] if prompts else [0]), p, 64, stops)
+        seq.generator = gens[i] if gens else make_generator(0)
+        seq.output_ids = list(outputs[i]) if outputs else []
+        seqs.append(seq)
+    return seqs
+
+
+def _sample(
+    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]
+) -> list[int]:
+    return sample(logits, _seqs(params, gens))
 
 
 LOGITS = [math.log(p) for p in (0.05, 0.5, 0.15, 0.3)]  # token 1 > 3 > 2 > 0
@@ -78,7 +100,7 @@ def test_samples_follow_the_filtered_distribution() -> None:
     counts = {0: 0, 1: 0, 2: 0, 3: 0}
     n = 4000
     for _ in range(n):
-        counts[sample(logits, params, [gen])[0]] += 1
+        counts[_sample(logits, params, [gen])[0]] += 1
     assert counts[0] == 0  # filtered out by top-k
     for token, p in ((1, 0.5 / 0.95), (3, 0.3 / 0.95), (2, 0.15 / 0.95)):
         assert abs(counts[token] / n - p) < 0.03, counts
@@ -88,7 +110,7 @@ def test_greedy_is_argmax_and_draws_no_randomness() -> None:
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     gens = [make_generator(5) for _ in range(3)]
     before = [g.get_state() for g in gens]
-    tokens = sample(logits, [SamplingParams(temperature=0)] * 3, gens)
+    tokens = _sample(logits, [SamplingParams(temperature=0)] * 3, gens)
     assert tokens == logits.argmax(-1).tolist()
     assert all(torch.equal(g.get_state(), b) for g, b in zip(gens, before, strict=True))
 
@@ -100,7 +122,7 @@ def test_seeded_rows_do_not_depend_on_their_batch() -> None:
     mine = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
 
     alone_gen = make_generator(7)
-    alone = [sample(s[2:3], [mine], [alone_gen])[0] for s in steps]
+    alone = [_sample(s[2:3], [mine], [alone_gen])[0] for s in steps]
 
     others = [
         SamplingParams(temperature=1.0, seed=1),
@@ -109,7 +131,7 @@ def test_seeded_rows_do_not_depend_on_their_batch() -> None:
     ]
     gens = [make_generator(1), make_generator(None), make_generator(7), make_generator(3)]
     params = [others[0], others[1], mine, others[2]]
-    batched = [sample(s, params, gens)[2] for s in steps]
+    batched = [_sample(s, params, gens)[2] for s in steps]
     assert batched == alone
     assert len(set(alone)) > 5  # really sampling, not a constant
 
@@ -118,8 +140,8 @@ def test_unseeded_sequences_differ() -> None:
     logits = torch.zeros(1, 1000)
     params = [SamplingParams(temperature=1.0)]
     a, b = make_generator(None), make_generator(None)
-    assert [sample(logits, params, [a])[0] for _ in range(8)] != [
-        sample(logits, params, [b])[0] for _ in range(8)
+    assert [_sample(logits, params, [a])[0] for _ in range(8)] != [
+        _sample(logits, params, [b])[0] for _ in range(8)
     ]
 
 
@@ -139,3 +161,57 @@ def test_unseeded_sequences_differ() -> None:
 def test_params_are_validated(kwargs: dict, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message):
         SamplingParams(**kwargs)
+
+
+# --- penalties, logit_bias, min_tokens (adjust_logits) ---------------------------------
+
+
+def test_logits_no_setting_asks_to_change_are_left_as_they_are() -> None:
+    logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(3))
+    assert adjust_logits(logits, _seqs([SamplingParams(), SamplingParams(top_k=3)])) is logits
+
+
+def test_min_tokens_keeps_end_tokens_out_of_reach_until_it_is_reached() -> None:
+    logits = torch.zeros(2, 6)
+    logits[:, 5] = 10.0  # the end token would win
+    seqs = _seqs(
+        [SamplingParams(temperature=0, min_tokens=2)] * 2,
+        outputs=[[1], [1, 2]],
+        stops=frozenset({5, 99}),
+    )  # fmt: skip  (99: outside the vocabulary, skipped)
+    out = adjust_logits(logits, seqs)
+    assert out[0, 5] == float("-inf") and out[1, 5] == 10.0
+    assert torch.equal(out[0, :5], logits[0, :5])
+    assert sample(logits, seqs) == [0, 5]
+
+
+def test_logit_bias_is_added_and_can_force_a_token_greedily() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]] * 2)
+    biased = SamplingParams(temperature=0, logit_bias=((0, 100.0), (2, -100.0)))
+    seqs = _seqs([biased, SamplingParams(temperature=0)])
+    out = adjust_logits(logits, seqs)
+    assert out[0].tolist() == [101.0, 2.0, -97.0, 0.5]
+    assert torch.equal(out[1], logits[1])  # its neighbour in the batch is untouched
+    assert sample(logits, seqs) == [0, 2]
+
+
+def test_repetition_penalty_scales_the_tokens_of_prompt_and_output() -> None:
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 4.0]])
+    p = SamplingParams(repetition_penalty=2.0)
+    out = adjust_logits(logits, _seqs([p], prompts=[[0]], outputs=[[1]]))
+    # Tokens 0 (prompt) and 1 (output): positive halved, negative doubled; 2-4 unseen.
+    assert out[0].tolist() == [1.0, -4.0, 2.0, -2.0, 4.0]
+
+
+def test_frequency_and_presence_penalties_count_the_output_only() -> None:
+    logits = torch.zeros(1, 4)
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=1.0)
+    out = adjust_logits(logits, _seqs([p], prompts=[[3, 3, 3]], outputs=[[1, 1, 1, 2]]))
+    assert out[0].tolist() == [0.0, -(1.5 + 1.0), -(0.5 + 1.0), 0.0]
+
+
+def test_a_greedy_frequency_penalty_keeps_a_token_from_winning_again() -> None:
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    p = SamplingParams(temperature=0, frequency_penalty=1.0)
+    assert sample(logits, _seqs([p], outputs=[[]])) == [0]
+    assert sample(logits, _seqs([p], outputs=[[0]])) == [1]  # 3 - 1 < 2.5

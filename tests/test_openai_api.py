@@ -260,14 +260,13 @@ REFUSED_CHAT: list[tuple[str, Any]] = [
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
     ("prediction", {"type": "content", "content": "Hello"}), ("store", True),
     ("metadata", {"user": "u1"}), ("service_tier", "flex"), ("reasoning_effort", "high"),
-    ("web_search_options", {}), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
-    ("logit_bias", {"42": 100}), ("verbosity", "low"), ("top_logprobs", 2),
-    ("repetition_penalty", 1.1), ("min_p", 0.1),  # vLLM's, unknown here
+    ("web_search_options", {}), ("verbosity", "low"), ("top_logprobs", 2),
+    ("min_p", 0.1),  # vLLM's, unknown here
 ]  # fmt: skip
 REFUSED_COMPLETIONS: list[tuple[str, Any]] = [
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
-    ("presence_penalty", 1.0), ("logit_bias", {"42": -100}), ("best_of", 3), ("suffix", "x"),
+    ("best_of", 3), ("suffix", "x"),
     ("max_completion_tokens", 4), ("messages", CHAT_MESSAGES),  # chat's, not completions'
 ]  # fmt: skip
 

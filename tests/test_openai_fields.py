@@ -54,6 +54,6 @@ def test_a_value_that_asks_for_something_is_not_taken_for_one_that_does_not() ->
     # JSON's true is not 1, 0.5 is not 0, and a list with more is not the empty one.
     assert not FIELDS["n"].allows(True)
     assert FIELDS["n"].allows(1) and not FIELDS["n"].allows(2)
-    assert not FIELDS["presence_penalty"].allows(0.5) and FIELDS["presence_penalty"].allows(0.0)
+    assert not FIELDS["echo"].allows(0) and FIELDS["echo"].allows(False)
     assert not FIELDS["tools"].allows([{"type": "function"}]) and FIELDS["tools"].allows([])
     assert not FIELDS["response_format"].allows({"type": "text", "x": 1})

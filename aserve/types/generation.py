@@ -38,7 +38,16 @@ class SamplingParams:
     ``top_k`` 0 and ``top_p`` 1 disable those filters. ``max_tokens`` None
     means the engine's default. Text equal to one of ``stop`` ends the
     sequence and is not returned; so does a token in ``stop_token_ids`` or,
-    unless ``ignore_eos``, an end-of-sequence token.
+    unless ``ignore_eos``, an end-of-sequence token, but not before
+    ``min_tokens`` tokens (vLLM's rule).
+
+    Before temperature and the filters, in vLLM's order: ``min_tokens``
+    keeps the end tokens out of reach, ``logit_bias`` ((token id, bias)
+    pairs) is added to the logits, then the penalties apply: a token of the
+    prompt or of the output so far has its logit divided by
+    ``repetition_penalty`` (multiplied, when negative), and one of the output
+    loses ``frequency_penalty`` per time it occurs and ``presence_penalty``
+    once. 1 and 0 (the defaults) leave the logits as they are.
 
     These are the engine's own bounds (what its tensors and the step wire can
     carry); the narrower bounds a request is held to at the edge are
@@ -53,6 +62,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -69,6 +83,27 @@ class SamplingParams:
             raise InvalidArgument("stop strings must not be empty")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument(f"seed must be in [0, 2**64) (got {self.seed})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise InvalidArgument(f"{name} must be finite (got {getattr(self, name)})")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidArgument(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+        if any(not (0 <= t < 2**63 and math.isfinite(b)) for t, b in self.logit_bias):
+            raise InvalidArgument("logit_bias: token ids must be >= 0 and biases finite")
+        if not 0 <= self.min_tokens < 2**31:
+            raise InvalidArgument(f"min_tokens must be >= 0 (got {self.min_tokens})")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidArgument(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes the logits (min_tokens aside)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -86,8 +121,9 @@ class SamplingParams:
 # calls one module for both.
 
 SAMPLING_KEYS = frozenset(
-    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"}
-)
+    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
+     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens"}
+)  # fmt: skip
 
 # The bounds. Integers stay within what the engine's tensors and the step
 # process's wire (msgpack, 64 bits) carry; the model's own
@@ -99,6 +135,11 @@ SEED_RANGE = (0, 2**64 - 1)
 TEMPERATURE_RANGE = (0.0, 2.0)  # OpenAI's range; 0 is greedy
 TOP_P_RANGE = (0.0, 1.0)  # open below: (0, 1]
 MAX_STOP_STRINGS = 16
+PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's presence and frequency penalties
+REPETITION_PENALTY_RANGE = (0.0, 2.0)  # open below: (0, 2]; 1 leaves the logits alone
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS = 1024  # entries; each costs the step a scatter
+MIN_TOKENS_RANGE = (0, INT32_MAX)
 MAX_STOP_CHARS = 256  # each stop string is matched against every new piece of text
 
 
@@ -136,7 +177,50 @@ def sampling_settings(
         if not isinstance(v, bool):
             raise BadSetting("ignore_eos", f"must be true or false (got {_show(v)})")
         kw["ignore_eos"] = v
+    for key in ("presence_penalty", "frequency_penalty"):
+        if (v := values.get(key)) is not None:
+            kw[key] = _number(v, key, *PENALTY_RANGE)
+    if (v := values.get("repetition_penalty")) is not None:
+        kw["repetition_penalty"] = _number(
+            v, "repetition_penalty", *REPETITION_PENALTY_RANGE, open_low=True
+        )
+    if (v := values.get("logit_bias")) is not None:
+        kw["logit_bias"] = logit_bias(v)
+    if (v := values.get("min_tokens")) is not None:
+        kw["min_tokens"] = _int(v, "min_tokens", *MIN_TOKENS_RANGE)
+        wanted = kw.get("max_tokens")
+        if wanted is not None and kw["min_tokens"] > wanted:
+            raise BadSetting(
+                "min_tokens", f"must be at most max_tokens ({wanted}) (got {kw['min_tokens']})"
+            )
     return kw
+
+
+def logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object of token ids (as JSON keys, strings of
+    digits) to biases from -100 to 100, at most :data:`MAX_LOGIT_BIAS` of them;
+    as (id, bias) pairs in id order. Ids past the vocabulary are the engine's to
+    refuse, knowing it."""
+    if not isinstance(value, Mapping):
+        raise BadSetting(
+            "logit_bias", f"must be an object of token ids to biases (got {_show(value)})"
+        )
+    if len(value) > MAX_LOGIT_BIAS:
+        raise BadSetting(
+            "logit_bias", f"has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed"
+        )
+    pairs = []
+    for key, bias in value.items():
+        text = key if isinstance(key, str) else None
+        if text is None or not text.isascii() or not text.isdigit() or len(text) > 18:
+            raise BadSetting(
+                "logit_bias", f"keys must be token ids, strings of digits (got {_show(key)})"
+            )
+        try:
+            pairs.append((int(text), _number(bias, "logit_bias", *LOGIT_BIAS_RANGE)))
+        except BadSetting as exc:
+            raise BadSetting("logit_bias", f"for token {text}: {exc.message}") from None
+    return tuple(sorted(pairs))
 
 
 def stop_strings(value: Any, limit: int = MAX_STOP_STRINGS) -> tuple[str, ...]:

@@ -298,4 +298,7 @@ def _params(fields: list[Any], cls: type[SamplingParams]) -> SamplingParams:
     """SamplingParams (``cls``, passed in: see step_main) from the wire (msgpack
     brings the tuples back as lists)."""
     p = cls(*fields)
-    return dataclasses.replace(p, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids))
+    return dataclasses.replace(
+        p, stop=tuple(p.stop), stop_token_ids=tuple(p.stop_token_ids),
+        logit_bias=tuple((int(t), float(b)) for t, b in p.logit_bias),
+    )  # fmt: skip

@@ -176,7 +176,17 @@ class DecoderEngine:
         bad = next((t for t in ids if type(t) is not int or not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidArgument(f"prompt: token id {bad!r} is out of range (vocabulary {vocab})")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"logit_bias: token id {bad} is out of range (vocabulary {vocab})"
+            )
         wanted = gen.max_tokens_default if params.max_tokens is None else params.max_tokens
+        if params.min_tokens > wanted:  # the default max_tokens: the request's own is checked
+            raise InvalidArgument(
+                f"min_tokens: {params.min_tokens} is more than max_tokens ({wanted}, "
+                "this model's default)"
+            )
         if wanted > gen.max_tokens_cap:
             raise InvalidArgument(
                 f"max_tokens: {wanted} is over this model's limit ({gen.max_tokens_cap})"
@@ -284,7 +294,7 @@ class DecoderEngine:
                 )
             seqs = new + running
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-            return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            return sample(logits, seqs)
         except BaseException:
             for s in new:
                 self.free(s)
@@ -334,7 +344,8 @@ class DecoderEngine:
             if seq.finish_reason is None:
                 seq.finish_reason, seq.stop_reason = "stop", token
         else:
-            text, matched = seq.stop.push(seq.detokenizer.push(token))
+            armed = len(seq.output_ids) >= seq.params.min_tokens  # vLLM's rule for stops
+            text, matched = seq.stop.push(seq.detokenizer.push(token), armed)
             if matched:
                 seq.finish_reason, seq.stop_reason = "stop", seq.stop.matched
             elif len(seq.output_ids) >= seq.max_tokens:

@@ -3,18 +3,23 @@
 Every sequence has its own ``torch.Generator`` and draws exactly one uniform
 number per sampled token from it, so a seeded request produces the same
 tokens whatever else shares its batch, and greedy rows draw nothing. The
-filtering (temperature, top-k, top-p) is vectorized over the batch. The
-settings themselves (:class:`~aserve.types.generation.SamplingParams`) are
-torch-free types the frontends build.
+filtering (temperature, top-k, top-p) is vectorized over the batch, and so
+is what comes before it (:func:`adjust_logits`: min_tokens, logit_bias and
+the penalties, in vLLM's order), for the rows that ask for any: one scatter
+per kind over the tokens those rows hold, never a loop over the vocabulary.
+The settings themselves (:class:`~aserve.types.generation.SamplingParams`)
+are torch-free types the frontends build.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from aserve.types.generation import SamplingParams
+if TYPE_CHECKING:
+    from aserve.engines.decoder.sequence import Sequence as EngineSequence
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -57,13 +62,81 @@ def filtered_probs(
     return probs, ids
 
 
+def adjust_logits(logits: torch.Tensor, seqs: Sequence[EngineSequence]) -> torch.Tensor:
+    """The logits (n, vocab) of ``seqs`` as their settings change them before
+    sampling: end tokens out of reach until ``min_tokens``, ``logit_bias``
+    added, then the repetition penalty (on the prompt's and the output's
+    tokens) and the frequency and presence penalties (on the output's).
+    The same tensor when no row asks for any; otherwise a float copy."""
+    vocab = logits.shape[-1]
+    early = [i for i, s in enumerate(seqs) if len(s.output_ids) < s.params.min_tokens]
+    adjusted = [i for i, s in enumerate(seqs) if s.params.adjusts_logits]
+    if not early and not adjusted:
+        return logits
+    out = logits.float().clone()
+    device = out.device
+
+    def at(rows: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
+
+    rows, tokens = [], []
+    for i in early:
+        for t in seqs[i].stop_token_ids:
+            if 0 <= t < vocab:
+                rows.append(i)
+                tokens.append(t)
+    if rows:
+        out[at(rows, tokens)] = float("-inf")
+    rows, tokens, biases = [], [], []
+    for i in adjusted:
+        for t, b in seqs[i].params.logit_bias:
+            rows.append(i)
+            tokens.append(t)
+            biases.append(b)
+    if rows:
+        out.index_put_(at(rows, tokens), torch.tensor(biases, device=device), accumulate=True)
+    repeat = [i for i in adjusted if seqs[i].params.repetition_penalty != 1.0]
+    if repeat:
+        rows, tokens = [], []
+        for r, i in enumerate(repeat):
+            seen = {*seqs[i].prompt_ids, *seqs[i].output_ids}
+            rows.extend([r] * len(seen))
+            tokens.extend(seen)
+        held = torch.zeros(len(repeat), vocab, dtype=torch.bool, device=device)
+        held[at(rows, tokens)] = True
+        sel = torch.tensor(repeat, device=device)
+        penalty = torch.tensor([seqs[i].params.repetition_penalty for i in repeat], device=device)
+        sub = out[sel]
+        scaled = torch.where(sub > 0, sub / penalty[:, None], sub * penalty[:, None])
+        out[sel] = torch.where(held, scaled, sub)
+    counted = [
+        i for i in adjusted if seqs[i].params.frequency_penalty or seqs[i].params.presence_penalty
+    ]
+    if counted:
+        rows, tokens = [], []
+        for r, i in enumerate(counted):
+            rows.extend([r] * len(seqs[i].output_ids))
+            tokens.extend(seqs[i].output_ids)
+        counts = torch.zeros(len(counted), vocab, device=device)
+        if rows:
+            counts.index_put_(
+                at(rows, tokens), torch.ones(len(rows), device=device), accumulate=True
+            )
+        ps = [seqs[i].params for i in counted]
+        frequency = torch.tensor([p.frequency_penalty for p in ps], device=device)
+        presence = torch.tensor([p.presence_penalty for p in ps], device=device)
+        sel = torch.tensor(counted, device=device)
+        out[sel] -= frequency[:, None] * counts + presence[:, None] * (counts > 0).float()
+    return out
+
+
 @torch.inference_mode()
-def sample(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator],
-) -> list[int]:
-    """One token per row of ``logits`` (n, vocab), by each row's own params and generator."""
+def sample(logits: torch.Tensor, seqs: Sequence[EngineSequence]) -> list[int]:
+    """One token per row of ``logits`` (n, vocab), by each row's sequence: its
+    settings (:func:`adjust_logits` first) and its own generator."""
+    logits = adjust_logits(logits, seqs)
+    params = [s.params for s in seqs]
+    generators = [s.generator for s in seqs]
     n = logits.shape[0]
     tokens = logits.argmax(dim=-1)
     rows = [i for i in range(n) if not params[i].greedy]

@@ -19,14 +19,19 @@ class StopMatcher:
         self._held = ""
         self.matched: str | None = None
 
-    def push(self, piece: str) -> tuple[str, bool]:
+    def push(self, piece: str, armed: bool = True) -> tuple[str, bool]:
         """Text safe to emit now, and whether a stop string matched.
 
         After a match, the text before it is returned and the matcher is done.
+        Not ``armed`` (before a request's ``min_tokens``), nothing matches and
+        nothing is held back: that text is never part of a stop string.
         """
         if not self.stops or self.matched is not None:
             return (piece if self.matched is None else ""), self.matched is not None
         text = self._held + piece
+        if not armed:
+            self._held = ""
+            return text, False
         hit = -1
         for stop in self.stops:
             at = text.find(stop)

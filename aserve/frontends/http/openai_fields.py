@@ -65,7 +65,6 @@ def _refused(routes: frozenset[Route], note: str, *nothing: Any) -> Field:
 
 _TOOLS = "tool calling is not supported"
 _LOGPROBS = "log probabilities are not supported"
-_PENALTY = "penalties are not applied"
 _CACHE = "no prompt cache is kept"
 _NAMES = "a string naming the caller; nothing generated depends on it"
 
@@ -84,6 +83,11 @@ FIELDS: dict[str, Field] = {
     "stream_options": Field(BOTH, "honoured", "include_usage; include_obfuscation false"),
     "top_k": Field(BOTH, "honoured", "vLLM's: -1 or 0 for no limit"),
     "ignore_eos": Field(BOTH, "honoured", "vLLM's"),
+    "presence_penalty": Field(BOTH, "honoured", "-2 to 2, once per token in the output"),
+    "frequency_penalty": Field(BOTH, "honoured", "-2 to 2, per time a token is in the output"),
+    "repetition_penalty": Field(BOTH, "honoured", "vLLM's: in (0, 2], tokens of prompt and output"),
+    "logit_bias": Field(BOTH, "honoured", "token id -> -100 to 100, at most 1024"),
+    "min_tokens": Field(BOTH, "honoured", "vLLM's: no end token or stop string before it"),
     "priority": Field(BOTH, "honoured", "vLLM's: an integer, lower is served first"),
     "timeout_ms": Field(BOTH, "honoured", "aserve's: the request's deadline"),
     "user": Field(BOTH, "accepted", _NAMES),
@@ -95,9 +99,6 @@ FIELDS: dict[str, Field] = {
     "suffix": _refused(BOTH, "suffixes (insertion) are not supported", ""),
     "logprobs": _refused(BOTH, _LOGPROBS, False),
     "top_logprobs": _refused(CHAT, _LOGPROBS, 0),
-    "presence_penalty": _refused(BOTH, _PENALTY, 0, 0.0),
-    "frequency_penalty": _refused(BOTH, _PENALTY, 0, 0.0),
-    "logit_bias": _refused(BOTH, "logit_bias is not applied", {}),
     "tools": _refused(BOTH, _TOOLS, []),
     "functions": _refused(CHAT, _TOOLS, []),
     "tool_choice": _refused(BOTH, _TOOLS, "none"),
