@@ -62,6 +62,7 @@ from aserve.config import ModelConfig, TensorSpec
 from aserve.engines.base import Engine
 from aserve.engines.handler_imports import import_from
 from aserve.obs.handler_metrics import MetricSet
+from aserve.types.sequence import SequenceInfo
 from aserve.types.text import first_surrogate
 
 REQUIRED_METHODS = ("load", "preprocess", "infer", "postprocess")
@@ -115,7 +116,10 @@ class HandlerRequest:
     ``batch_size`` is that dimension. ``state`` is free for the handler to
     carry something from ``preprocess`` to ``postprocess`` of this request.
     A raw request (``/predictions``) has no inputs (``batch_size`` 1) and
-    its ``body`` and ``content_type`` instead.
+    its ``body`` and ``content_type`` instead. ``sequence`` is the request's
+    place in its sequence, for a model with ``sequence_batching`` (its id,
+    whether it starts or ends it, its slot, and ``state``: a dict kept for
+    the sequence's life, for what its next request needs); None otherwise.
     """
 
     inputs: dict[str, np.ndarray]
@@ -125,6 +129,7 @@ class HandlerRequest:
     state: dict[str, Any] = field(default_factory=dict)
     body: bytes | list[Part] | None = None
     content_type: str | None = None
+    sequence: SequenceInfo | None = None
 
 
 def raw_answer(value: Any, where: str) -> tuple[bytes, str]:
