@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from aserve.errors import InvalidArgument
+from aserve.errors import InvalidArgument, Unimplemented
 from aserve.types.sequence import SequenceId
 
 SEQUENCE_ID: Final = "sequence_id"
@@ -64,6 +64,20 @@ def sequence_params(params: Mapping[str, Any] | None, model: str) -> SequencePar
         )
     assert params is not None
     return SequenceParams(value, _flag(params, SEQUENCE_START), _flag(params, SEQUENCE_END))
+
+
+def refuse_sequence(params: Mapping[str, Any] | None, model: str) -> None:
+    """Raise Unimplemented when a request to ``model``, which serves no sequences,
+    names one: it would otherwise be answered as if each request stood alone."""
+    if params is None:
+        return
+    value = params.get(SEQUENCE_ID)
+    if value is None or value == 0 or value == "":
+        return
+    raise Unimplemented(
+        f"model '{model}' does not serve sequences (its config has no sequence_batching): "
+        f"parameter '{SEQUENCE_ID}' is not supported for it"
+    )
 
 
 def _flag(params: Mapping[str, Any], key: str) -> bool:

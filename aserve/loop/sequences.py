@@ -197,10 +197,19 @@ class Sequences:
                 "try again later"
             )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._backlog.append((seq, fut))
+        entry = (seq, fut)
+        self._backlog.append(entry)
         try:
             await asyncio.wait_for(fut, max(0.0, deadline - self._clock()))
-        except asyncio.TimeoutError:
+        except BaseException as exc:
+            # Given up (deadline, client gone): its place frees at once, so that it
+            # no longer counts against max_queue_size. (A slot handed to it as it gave
+            # up comes back when the caller closes the sequence.)
+            if not fut.done() or fut.cancelled():
+                with contextlib.suppress(ValueError):
+                    self._backlog.remove(entry)
+            if not isinstance(exc, asyncio.TimeoutError):
+                raise
             raise Unavailable(
                 f"model '{self.label}': no sequence slot came free within the request's "
                 f"deadline (all {self.table.slots} are held by active sequences); end "
@@ -351,19 +360,27 @@ def sequence_config(config: ModelConfig) -> dict[str, Any]:
             "data_type": dtype,
             "dims": list(spec.shape),
         }
-        # Triton's initial state is zeros or a file's data; another value shows as
-        # aserve's own key.
+        # Triton's initial state is zeros or a file's data; another value is shown
+        # among the model's parameters (sequence_initial_values).
         if st.initial_value == 0:
             state["initial_state"] = [
                 {"data_type": dtype, "dims": list(spec.shape), "zero_data": True,
                  "name": f"{st.input}_initial"}
             ]  # fmt: skip
-        else:
-            state["initial_value"] = st.initial_value
         states.append(state)
     if states:
         doc["state"] = states
     return doc
+
+
+def sequence_initial_values(config: ModelConfig) -> list[tuple[str, Any]]:
+    """The implicit states whose first value is not zero, as settings with no Triton
+    field (``sequence_initial_value.<input>``)."""
+    sb = config.sequence_batching
+    if sb is None:
+        return []
+    return [(f"sequence_initial_value.{st.input}", st.initial_value) for st in sb.state
+            if st.initial_value != 0]  # fmt: skip
 
 
 _KINDS = {

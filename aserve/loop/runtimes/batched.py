@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from aserve.codecs.sequence import refuse_sequence
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines import builtin, create_engine
 from aserve.engines.base import Engine
@@ -32,7 +33,7 @@ from aserve.loop.runtimes.base import (
     not_ready,
     string_parameters,
 )
-from aserve.loop.sequences import Sequences, sequence_config
+from aserve.loop.sequences import Sequences, sequence_config, sequence_initial_values
 from aserve.obs.logs import CURRENT
 from aserve.types.tensors import numpy_dtype
 from aserve.workers.batch_process import ProcessPool, worker_spec
@@ -302,6 +303,8 @@ class ModelRuntime(Runtime):
                 self.sequences, inputs, batch_size, shape_key, timeout_s, client_id,
                 parameters, arrival,
             )  # fmt: skip
+        if parameters and self.config.sequence_batching is None:
+            refuse_sequence(parameters, self.label)
         return await self._infer(
             inputs, batch_size, shape_key, timeout_s, client_id, parameters, arrival
         )
@@ -423,6 +426,7 @@ class ModelRuntime(Runtime):
                     ("cpu_threads", c.cpu_threads),
                     ("max_queue_size", b.max_queue_size),
                     ("timeout_ms", b.timeout_ms),
+                    *sequence_initial_values(c),
                 )
             ),
         }

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from aserve.codecs.sequence import refuse_sequence
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines.base import Engine
 from aserve.engines.python_handler import (
@@ -224,6 +225,7 @@ class HandlerRuntime(Runtime):
         request = HandlerRequest(inputs, batch_size, dict(parameters or {}), client_id)
         sequences = self._sequences
         if sequences is None:
+            refuse_sequence(parameters, self.label)
             response = await self._serve(request, "preprocess", "postprocess", timeout_s, arrival)
             return self._response(response, batch_size)
         since = time.monotonic() if arrival is None else arrival
@@ -267,6 +269,7 @@ class HandlerRuntime(Runtime):
                 f"model '{self.label}' serves sequences: send its requests as V2 tensors "
                 f"(POST /v2/models/{self.name}/infer) with the sequence_id parameter"
             )
+        refuse_sequence(parameters, self.label)
         request = HandlerRequest({}, 1, dict(parameters or {}), client_id, {}, body, content_type)
         assert self._engine is not None
         post = "postprocess_raw"
