@@ -140,8 +140,11 @@ def test_binary_framing_errors(body, ihcl, words):
 
 def test_unsupported_features_are_unimplemented_not_ignored():
     base = {"name": "T", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}
-    with pytest.raises(Unimplemented, match="sequence"):
-        decode(orjson.dumps({"inputs": [base], "parameters": {"sequence_id": 4}}), specs("FP32"))
+    # The sequence parameters pass through to the model, which reads or refuses them.
+    seq = {"sequence_id": 4, "sequence_start": True}
+    assert (
+        decode(orjson.dumps({"inputs": [base], "parameters": seq}), specs("FP32")).parameters == seq
+    )
     with pytest.raises(Unimplemented, match="classification"):
         decode(orjson.dumps({"inputs": [base], "outputs": [{"name": "T", "parameters": {"classification": 2}}]}),
                specs("FP32"))  # fmt: skip

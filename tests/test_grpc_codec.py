@@ -206,8 +206,6 @@ BAD = [
     ("classification", _classification, ErrorCode.UNIMPLEMENTED, ["'A'", "classification"]),
     ("bad timeout", lambda r: setattr(r.parameters["timeout"], "int64_param", -1), ErrorCode.INVALID_ARGUMENT,
      ["timeout", "positive"]),
-    ("sequence", lambda r: setattr(r.parameters["sequence_id"], "int64_param", 5), ErrorCode.UNIMPLEMENTED,
-     ["sequence"]),
     ("shared memory", lambda r: setattr(r.inputs[0].parameters["shared_memory_region"], "string_param", "x"),
      ErrorCode.UNIMPLEMENTED, ["'A'", "shared memory"]),
 ]  # fmt: skip

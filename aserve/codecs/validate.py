@@ -240,11 +240,7 @@ def request_timeout(params: Mapping[str, Any]) -> float | None:
     """The timeout in seconds that request parameters ask for, if any.
 
     ``timeout_ms`` is aserve's spelling, ``timeout`` (microseconds) Triton's.
-    Sequence batching is refused here: both frontends see it the same way.
     The timeout's rule is :func:`aserve.frontends.common.resolve_deadline`'s.
+    (The sequence parameters are the model's to read: :mod:`aserve.codecs.sequence`.)
     """
-    timeout_s = parameter_timeout_s(params)
-    seq = params.get("sequence_id")
-    if seq not in (None, 0, ""):
-        raise Unimplemented("sequence batching (parameter 'sequence_id') is not supported")
-    return timeout_s
+    return parameter_timeout_s(params)

@@ -232,6 +232,91 @@ class BatchingConfig(_Frozen):
         return self.priority_queue_policy.get(level, self.default_queue_policy)
 
 
+class SequenceControls(_Frozen):
+    """Which declared inputs the server fills for a sequence's request (Triton's
+    ``control_input``): each names one of the model's ``inputs``, of shape [1],
+    left out of what a client sends. ``start`` is 1 on a sequence's first
+    request, ``end`` on its last, ``ready`` 1 on every request (a request in a
+    batch is always ready here), ``corrid`` the sequence's id (UINT64 or INT64
+    for a numeric id, BYTES for a string one). Each is None when not used."""
+
+    start: Annotated[str | None, Field(pattern=_NAME)] = None
+    """The input that is 1 on a sequence's first request, else 0."""
+    end: Annotated[str | None, Field(pattern=_NAME)] = None
+    """The input that is 1 on a sequence's last request, else 0."""
+    ready: Annotated[str | None, Field(pattern=_NAME)] = None
+    """The input that is 1 on every request of a sequence."""
+    corrid: Annotated[str | None, Field(pattern=_NAME)] = None
+    """The input that holds the sequence's id (its correlation id)."""
+
+    def named(self) -> list[tuple[str, str]]:
+        """(kind, input name) of each control given."""
+        kinds = (("start", self.start), ("end", self.end), ("ready", self.ready),
+                 ("corrid", self.corrid))  # fmt: skip
+        return [(k, n) for k, n in kinds if n is not None]
+
+
+class SequenceState(_Frozen):
+    """One implicit state of a sequence (Triton's ``state``): the model's output
+    ``output`` is kept by the server after each request and fed back as its
+    input ``input`` on the sequence's next one; the first request gets
+    ``initial_value`` everywhere. Both are declared tensors of the same
+    datatype and shape; neither travels to or from the client."""
+
+    input: Annotated[str, Field(pattern=_NAME)]
+    """The input that receives the state."""
+    output: Annotated[str, Field(pattern=_NAME)]
+    """The output that holds the next state."""
+    initial_value: float = 0.0
+    """Every element of the state on a sequence's first request."""
+
+
+class SequenceBatchingConfig(_Frozen):
+    """Sequence batching for a stateful model (Triton's sequence batcher).
+
+    Each request names its sequence with the parameters ``sequence_id`` (a
+    positive integer below 2**64, or a non-empty string), ``sequence_start``
+    and ``sequence_end``; a sequence holds a slot from its start to its end.
+    A sequence's requests run in order, one at a time; requests of different
+    sequences are batched together by the model's batcher (``batching``), a
+    batch never holding two of one sequence.
+
+    ``direct`` gives each sequence a slot of its own among ``max_batch_size``
+    times ``instances`` (its index is the handler's ``request.sequence.slot``);
+    ``oldest`` lets up to ``max_candidate_sequences`` sequences be active at
+    once. A start that finds every slot held waits for one until its
+    deadline, then is refused (503); ``batching.max_queue_size`` starts may
+    wait at most (past it: 429). A sequence with no request for
+    ``max_sequence_idle_microseconds`` is ended and its slot freed.
+    """
+
+    strategy: Literal["direct", "oldest"] = "direct"
+    """How slots are counted: one per batch item (``direct``) or
+    ``max_candidate_sequences`` (``oldest``)."""
+    max_candidate_sequences: Annotated[int | None, Field(ge=1, le=1_000_000)] = None
+    """``oldest`` only: sequences active at once (default: max_batch_size times
+    instances)."""
+    max_sequence_idle_microseconds: Annotated[int, Field(ge=1)] = 1_000_000
+    """How long a sequence may go without a request before it is ended and its
+    slot freed (Triton's default: one second)."""
+    control_inputs: SequenceControls = SequenceControls()
+    state: list[SequenceState] = []
+    """Implicit states: outputs kept by the server and fed back as inputs."""
+
+    @model_validator(mode="after")
+    def _candidates_for_oldest(self) -> SequenceBatchingConfig:
+        if self.max_candidate_sequences is not None and self.strategy != "oldest":
+            raise ValueError(
+                "max_candidate_sequences: only for strategy 'oldest' (with 'direct' a "
+                "sequence has a batch slot: max_batch_size times instances of them)"
+            )
+        return self
+
+    def hidden_inputs(self) -> set[str]:
+        """The inputs the server fills: controls and states, never sent by a client."""
+        return {n for _, n in self.control_inputs.named()} | {s.input for s in self.state}
+
+
 class PipelineStep(_Frozen):
     """One step of a pipeline: a model, and how its tensors map to the pipeline's.
 
@@ -461,6 +546,9 @@ class ModelConfig(_Frozen):
     ``stream(request)`` yields them. Served over gRPC ``ModelStreamInfer`` and
     HTTP ``generate_stream`` (``/infer`` refuses it). Its streams run in the
     server's threads, ``instances`` of them at once; more wait, by deadline."""
+    sequence_batching: SequenceBatchingConfig | None = None
+    """Serve the model's requests as sequences of a stateful model (None: each
+    request on its own)."""
 
     @field_validator("inputs", "outputs")
     @classmethod
@@ -549,6 +637,8 @@ class ModelConfig(_Frozen):
         if self.decoupled:
             _check_decoupled(self)
         _check_accelerator_fields(self)
+        if self.sequence_batching is not None:
+            _check_sequence_batching(self, self.sequence_batching)
         return self
 
     @property
@@ -571,6 +661,76 @@ def _check_decoupled(m: ModelConfig) -> None:
         )
     if m.load != "startup":
         raise ValueError("decoupled: a decoupled model loads at startup: remove load 'on_demand'")
+    if m.sequence_batching is not None:
+        raise ValueError("decoupled: not with sequence_batching yet (a decoupled model's "
+                         "requests are each a stream of their own)")  # fmt: skip
+
+
+# The datatypes a control input may have: a flag's, and the sequence id's.
+_FLAG_TYPES = ("BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32",
+               "UINT64", "FP16", "FP32", "FP64")  # fmt: skip
+_CORRID_TYPES = ("UINT64", "INT64", "BYTES")
+
+
+def _check_sequence_batching(m: ModelConfig, sb: SequenceBatchingConfig) -> None:
+    """Controls and states name declared tensors of a fitting kind."""
+    if m.engine in ("pipeline", "decoder"):
+        raise ValueError(
+            f"sequence_batching: not for engine '{m.engine}' (a pipeline's step models, "
+            "and models with tensors, may have it)"
+        )
+    if m.load == "on_demand":
+        raise ValueError(
+            "sequence_batching: not with load 'on_demand' yet (an eviction would end the "
+            "model's sequences); load it at startup"
+        )
+    inputs = {s.name: s for s in m.inputs}
+    outputs = {s.name: s for s in m.outputs}
+    if (sb.control_inputs.named() or sb.state) and not inputs:
+        raise ValueError(
+            "sequence_batching: list the model's inputs, the control and state inputs among them"
+        )
+    seen: dict[str, str] = {}
+    for kind, name in sb.control_inputs.named():
+        where = f"sequence_batching.control_inputs.{kind}"
+        if name in seen:
+            raise ValueError(f"{where}: input '{name}' is already the {seen[name]} control")
+        seen[name] = kind
+        spec = inputs.get(name)
+        if spec is None:
+            raise ValueError(
+                f"{where}: '{name}' is not among the model's inputs ({', '.join(inputs)})"
+            )
+        allowed = _CORRID_TYPES if kind == "corrid" else _FLAG_TYPES
+        if spec.datatype not in allowed:
+            raise ValueError(
+                f"{where}: input '{name}' is {spec.datatype}; a {kind} control is one of "
+                f"{', '.join(allowed)}"
+            )
+        if spec.shape != [1]:
+            raise ValueError(f"{where}: input '{name}' has shape {spec.shape}; a control has [1]")
+    for i, st in enumerate(sb.state):
+        where = f"sequence_batching.state[{i}]"
+        spec_in, spec_out = inputs.get(st.input), outputs.get(st.output)
+        if spec_in is None:
+            raise ValueError(f"{where}.input: '{st.input}' is not among the model's inputs")
+        if spec_out is None:
+            raise ValueError(f"{where}.output: '{st.output}' is not among the model's outputs")
+        if st.input in seen:
+            raise ValueError(f"{where}.input: '{st.input}' is the {seen[st.input]} control")
+        seen[st.input] = "state"
+        if (spec_in.datatype, spec_in.shape) != (spec_out.datatype, spec_out.shape):
+            raise ValueError(
+                f"{where}: input '{st.input}' ({spec_in.datatype} {spec_in.shape}) and output "
+                f"'{st.output}' ({spec_out.datatype} {spec_out.shape}) must have the same "
+                "datatype and shape"
+            )
+        if -1 in spec_in.shape or spec_in.datatype == "BYTES":
+            raise ValueError(f"{where}: a state has a fixed shape and a numeric datatype")
+    if len(seen) == len(inputs):
+        raise ValueError(
+            "sequence_batching: every input is a control or a state; a client must send one"
+        )
 
 
 def _check_accelerator_fields(m: ModelConfig) -> None:

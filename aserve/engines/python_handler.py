@@ -77,6 +77,7 @@ from aserve.config import ModelConfig, TensorSpec
 from aserve.engines.base import Engine
 from aserve.engines.handler_imports import import_from
 from aserve.obs.handler_metrics import MetricSet
+from aserve.types.sequence import SequenceInfo
 from aserve.types.text import first_surrogate
 
 REQUIRED_METHODS = ("load", "preprocess", "infer", "postprocess")
@@ -137,6 +138,10 @@ class HandlerRequest:
     A raw request (``/predictions``) has no inputs (``batch_size`` 1) and
     its ``body`` and ``content_type`` instead. ``cancelled()`` tells whether
     the client has gone (a decoupled model's ``stream`` may stop early).
+    ``sequence`` is the request's place in its sequence, for a model with
+    ``sequence_batching`` (its id, whether it starts or ends it, its slot,
+    and ``state``: a dict kept for the sequence's life, for what its next
+    request needs); None otherwise.
     """
 
     inputs: dict[str, np.ndarray]
@@ -147,6 +152,7 @@ class HandlerRequest:
     body: bytes | list[Part] | None = None
     content_type: str | None = None
     cancelled: Callable[[], bool] = _never
+    sequence: SequenceInfo | None = None
 
 
 def raw_answer(value: Any, where: str) -> tuple[bytes, str]:

@@ -44,8 +44,13 @@ TRITON_TAKEN: Final = {
     "instance_group[0].count": "instances (one group)",
 }
 # aserve's entry keys that Triton's ModelConfig does not have: any of them makes
-# an override aserve's form.
-_ASERVE_KEYS: Final = frozenset(ModelConfig.model_fields) - {"name", "parameters"}
+# an override aserve's form. (Both have "sequence_batching", in shapes of their own:
+# an aserve entry says "engine" too.)
+_ASERVE_KEYS: Final = frozenset(ModelConfig.model_fields) - {
+    "name",
+    "parameters",
+    "sequence_batching",
+}
 _TAKEN_TEXT: Final = ", ".join(TRITON_TAKEN)
 
 

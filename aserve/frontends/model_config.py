@@ -42,6 +42,11 @@ def triton_config_json(doc: dict[str, Any]) -> dict[str, Any]:
     message = triton_config_message(doc)
     out = json_format.MessageToDict(message, preserving_proto_field_name=True)
     _numbers(message.DESCRIPTOR, out)
+    # A control's kind START is its enum's 0, which protobuf's JSON leaves out;
+    # Triton's JSON names it, and a reader of it looks for it.
+    for control_input in out.get("sequence_batching", {}).get("control_input", []):
+        for control in control_input.get("control", []):
+            control.setdefault("kind", "CONTROL_SEQUENCE_START")
     return out
 
 

@@ -242,6 +242,11 @@ class ServerCollector(Collector):
             "Decoder models: KV-cache slots in use, 0 to 1.",
             labels=mv,
         )
+        active = GaugeMetricFamily(
+            "aserve_active_sequences",
+            "Sequence-batched models: sequences started and not yet ended or freed as idle.",
+            labels=mv,
+        )
 
         for reason, n in sorted(requests.rejected.items()):
             rejected.add_metric(["", "", reason], n)
@@ -262,6 +267,8 @@ class ServerCollector(Collector):
                 rejected.add_metric([*labels, reason], n)
             timed_out.add_metric(labels, st.timed_out)
             cancelled.add_metric(labels, st.cancelled)
+            if "sequences_active" in doc:
+                active.add_metric(labels, doc["sequences_active"])
             gen = doc.get("generation")
             if gen is not None:
                 for hist, name in ((ttft_h, "first_token_seconds"), (itl_h, "inter_token_seconds")):
@@ -289,6 +296,7 @@ class ServerCollector(Collector):
             prompt,
             seqs,
             kv,
+            active,
         )
 
         yield from handler_families(self._models)

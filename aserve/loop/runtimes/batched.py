@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from aserve.codecs.sequence import refuse_sequence
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines import builtin, create_engine
 from aserve.engines.base import Engine
@@ -32,6 +33,7 @@ from aserve.loop.runtimes.base import (
     not_ready,
     string_parameters,
 )
+from aserve.loop.sequences import Sequences, sequence_config, sequence_initial_values
 from aserve.obs.logs import CURRENT
 from aserve.types.tensors import numpy_dtype
 from aserve.workers.batch_process import ProcessPool, worker_spec
@@ -76,9 +78,15 @@ class ModelRuntime(Runtime):
         gpu: GpuConfig | None = None,
         engine: Callable[[Path | None], Engine] | None = None,
         pool: Callable[[Engine], EnginePool] | None = None,
+        sequenced: bool = True,
     ) -> None:
         super().__init__(config, base_dir, gpu)
         self.max_batch_size = config.batching.max_batch_size
+        # A model with sequence_batching: its requests pass their sequence's turn
+        # first (not when a handler's runtime, in front of this one, holds it).
+        self.sequences: Sequences | None = None
+        if config.sequence_batching is not None and sequenced:
+            self.sequences = Sequences(self.label, config)
         self._serve_specs_of(config)
         self._make_engine = engine
         self._make_pool = pool
@@ -213,8 +221,17 @@ class ModelRuntime(Runtime):
     def _serve_specs_of(self, served: ModelConfig) -> None:
         """Serve the tensors the loaded engine settled on (an onnx model's may come from
         its file). ``self.config`` stays the config as written."""
-        self.input_specs = {s.name: s for s in served.inputs}
-        self.output_specs = {s.name: s for s in served.outputs}
+        # What the engine takes: a sequence model's control and state inputs too,
+        # which the server fills and a client never sends (nor sees in the metadata).
+        self.engine_inputs = {s.name: s for s in served.inputs}
+        hidden_in: set[str] = set()
+        hidden_out: set[str] = set()
+        sb = self.config.sequence_batching
+        if sb is not None:
+            hidden_in = sb.hidden_inputs()
+            hidden_out = {st.output for st in sb.state}
+        self.input_specs = {s.name: s for s in served.inputs if s.name not in hidden_in}
+        self.output_specs = {s.name: s for s in served.outputs if s.name not in hidden_out}
         # Only models with a variable dimension need per-request shape grouping.
         self.variable_shapes = any(-1 in s.shape for s in served.inputs)
 
@@ -230,7 +247,7 @@ class ModelRuntime(Runtime):
             for size in sizes:
                 self.load_step = f"warming up (a batch of {size} on each instance)"
                 inputs = {
-                    s.name: _dummy(s.datatype, s.shape, size) for s in self.input_specs.values()
+                    s.name: _dummy(s.datatype, s.shape, size) for s in self.engine_inputs.values()
                 }
                 await asyncio.gather(
                     *(self.warm_batch(inputs, size, measure) for _ in range(self.config.instances))
@@ -277,7 +294,49 @@ class ModelRuntime(Runtime):
         Cancelling the awaiting task, which is what a frontend sees when its
         client goes away, takes the request out of the queue; a batch already
         running for it finishes, and its answer is dropped.
+
+        A sequence model's request first waits for its turn in its sequence
+        (:mod:`aserve.loop.sequences`), within the same deadline.
         """
+        if self.sequences is not None:
+            return await self._infer_in_sequence(
+                self.sequences, inputs, batch_size, shape_key, timeout_s, client_id,
+                parameters, arrival,
+            )  # fmt: skip
+        if parameters and self.config.sequence_batching is None:
+            refuse_sequence(parameters, self.label)
+        return await self._infer(
+            inputs, batch_size, shape_key, timeout_s, client_id, parameters, arrival
+        )
+
+    async def _infer_in_sequence(
+        self,
+        sequences: Sequences,
+        inputs: dict[str, np.ndarray],
+        batch_size: int,
+        shape_key: tuple[Any, ...],
+        timeout_s: float,
+        client_id: str | None,
+        parameters: dict[str, Any] | None,
+        arrival: float | None,
+    ) -> dict[str, np.ndarray]:
+        since = time.monotonic() if arrival is None else arrival
+        async with sequences.turn(parameters, batch_size, since + timeout_s) as turn:
+            outputs = await self._infer(
+                turn.fill(inputs), batch_size, shape_key, timeout_s, client_id, parameters, since
+            )
+            return turn.keep(outputs)
+
+    async def _infer(
+        self,
+        inputs: dict[str, np.ndarray],
+        batch_size: int,
+        shape_key: tuple[Any, ...],
+        timeout_s: float,
+        client_id: str | None,
+        parameters: dict[str, Any] | None,
+        arrival: float | None,
+    ) -> dict[str, np.ndarray]:
         now = time.monotonic()
         since = now if arrival is None else arrival  # what the deadline counts from
         req = InferenceRequest(
@@ -351,13 +410,14 @@ class ModelRuntime(Runtime):
 
     def triton_config(self) -> dict[str, Any]:
         """Settings with no Triton field go in ``parameters`` as strings."""
-        b = self.config.batching
+        c, b = self.config, self.config.batching
         return {
             **tensor_triton_config(self),
             "dynamic_batching": {
                 "preferred_batch_size": list(b.preferred_batch_sizes),
                 "max_queue_delay_microseconds": round(b.max_delay_ms * 1000),
             },
+            **sequence_triton_config(c),
             **instances_triton_config(self),
         }
 
@@ -366,10 +426,14 @@ class ModelRuntime(Runtime):
         doc = self.stats.as_dict(b.pending if b else 0, b.running if b else 0)
         if b is not None:
             doc["admission_margin"] = b.margin.factor  # an aserve extension, like "rejected"
+        if self.sequences is not None:
+            doc["sequences_active"] = self.sequences.active  # an aserve extension too
         return doc
 
     async def _stop(self) -> None:
         """Let running batches end, stop the instances, free the model."""
+        if self.sequences is not None:
+            self.sequences.close()
         if self.batcher is not None:
             self.batcher.close()
         pool = self._pool
@@ -429,6 +493,13 @@ def tensor_triton_config(runtime: Runtime) -> dict[str, Any]:
     }
 
 
+def sequence_triton_config(config: ModelConfig) -> dict[str, Any]:
+    """Triton's ``sequence_batching`` of a model that has it (else nothing)."""
+    if config.sequence_batching is None:
+        return {}
+    return {"sequence_batching": sequence_config(config)}
+
+
 def instances_triton_config(runtime: Runtime) -> dict[str, Any]:
     """A model's ``instance_group`` and, as strings, its settings with no Triton field."""
     c, b = runtime.config, runtime.config.batching
@@ -441,6 +512,7 @@ def instances_triton_config(runtime: Runtime) -> dict[str, Any]:
                 ("cpu_threads", c.cpu_threads),
                 ("max_queue_size", b.max_queue_size),
                 ("timeout_ms", b.timeout_ms),
+                *sequence_initial_values(c),
             )
         ),
     }

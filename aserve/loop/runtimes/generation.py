@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from aserve.codecs.sampling import sampling_from_parameters
+from aserve.codecs.sequence import refuse_sequence
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines import builtin
 from aserve.errors import InvalidArgument, TooLarge, Unavailable
@@ -307,6 +308,7 @@ class GenerationRuntime(Generator):
     ) -> dict[str, np.ndarray]:
         """KServe inference: the whole generation for ``text_input`` as ``text_output``
         (the ``priority`` parameter is vLLM's, as on the generation routes)."""
+        refuse_sequence(parameters, self.label)
         params = sampling_from_parameters(parameters)
         priority = parameter_priority(parameters)
         prompt = text_input(inputs, self.generation.prompt_bytes_limit)

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from aserve.codecs.sequence import refuse_sequence
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines.base import Engine
 from aserve.engines.python_handler import (
@@ -45,6 +46,7 @@ from aserve.loop.device_scheduler import DeviceScheduler
 from aserve.loop.runtimes.base import ModelState, Runtime, batching_reconfigurable
 from aserve.loop.runtimes.batched import ModelRuntime
 from aserve.loop.runtimes.handler_threads import Spread, TimedStage, raw_post_threadsafe
+from aserve.loop.sequences import Sequences
 from aserve.obs.handler_metrics import MetricSet
 from aserve.obs.stats import ModelStats
 from aserve.types.tensors import numpy_dtype, shape_fits, shape_text
@@ -62,7 +64,13 @@ class HandlerRuntime(Runtime):
         self._engine: PythonHandlerEngine | None = None
         # The batched middle: the handler's infer() behind the model's batcher. Its
         # statistics are the model's (a request counts once, in its batch).
-        self._batched = ModelRuntime(config, base_dir, gpu, engine=self._create_engine)
+        # A sequence model's turns are held here, around preprocess and postprocess too.
+        self._batched = ModelRuntime(
+            config, base_dir, gpu, engine=self._create_engine, sequenced=False
+        )
+        self._sequences: Sequences | None = None
+        if config.sequence_batching is not None:
+            self._sequences = Sequences(self.label, config)
         self.stats = self._batched.stats
         self.max_batch_size = config.batching.max_batch_size
         self._serve_specs()
@@ -122,6 +130,8 @@ class HandlerRuntime(Runtime):
         self.state = ModelState.READY
 
     async def _stop(self) -> None:
+        if self._sequences is not None:
+            self._sequences.close()
         self._batched.cut_short = self.cut_short  # its stop waits as this one's would
         await self._batched.unload()
         # Not waited for: a preprocess stuck in user code would hold the unload (and
@@ -146,7 +156,10 @@ class HandlerRuntime(Runtime):
         return self._batched.triton_config()
 
     def statistics(self) -> dict[str, Any]:
-        return self._batched.statistics()
+        doc = self._batched.statistics()
+        if self._sequences is not None:
+            doc["sequences_active"] = self._sequences.active  # an aserve extension
+        return doc
 
     @property
     def handler_metrics(self) -> MetricSet | None:
@@ -204,10 +217,23 @@ class HandlerRuntime(Runtime):
 
         The deadline, ``arrival`` (None: now) + ``timeout_s``, covers the whole
         path; a request whose deadline passes during preprocessing is not queued.
+        A sequence model's request waits for its turn in its sequence first
+        (:mod:`aserve.loop.sequences`) and holds it through ``postprocess``,
+        so its sequence's next request sees what this one left in
+        ``request.sequence.state``.
         """
         request = HandlerRequest(inputs, batch_size, dict(parameters or {}), client_id)
-        response = await self._serve(request, "preprocess", "postprocess", timeout_s, arrival)
-        return self._response(response, batch_size)
+        sequences = self._sequences
+        if sequences is None:
+            refuse_sequence(parameters, self.label)
+            response = await self._serve(request, "preprocess", "postprocess", timeout_s, arrival)
+            return self._response(response, batch_size)
+        since = time.monotonic() if arrival is None else arrival
+        async with sequences.turn(parameters, batch_size, since + timeout_s) as turn:
+            request.inputs = turn.fill(inputs)
+            request.sequence = turn.info
+            response = await self._serve(request, "preprocess", "postprocess", timeout_s, since)
+            return turn.keep(self._response(response, batch_size))
 
     def raw_refusal(self) -> str | None:
         """Why this model takes no raw body (``/predictions``), or None when it does."""
@@ -238,6 +264,12 @@ class HandlerRuntime(Runtime):
         reason = self.raw_refusal()
         if reason is not None:
             raise InvalidArgument(reason)
+        if self._sequences is not None:
+            raise InvalidArgument(
+                f"model '{self.label}' serves sequences: send its requests as V2 tensors "
+                f"(POST /v2/models/{self.name}/infer) with the sequence_id parameter"
+            )
+        refuse_sequence(parameters, self.label)
         request = HandlerRequest({}, 1, dict(parameters or {}), client_id, {}, body, content_type)
         assert self._engine is not None
         post = "postprocess_raw"

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from aserve.codecs.sequence import refuse_sequence
 from aserve.codecs.validate import check_batch
 from aserve.config import GpuConfig, ModelConfig, PipelineStep
 from aserve.engines.batching import check_outputs
@@ -136,6 +137,7 @@ class PipelineRuntime(Runtime):
     ) -> dict[str, np.ndarray]:
         """Run the steps in order; a failing step fails the request with its error.
         The deadline, ``arrival`` (None: now) + ``timeout_s``, covers them all."""
+        refuse_sequence(parameters, self.label)  # its steps are not run as sequences
         self.require_ready()
         self.inflight += 1
         start = time.monotonic()
