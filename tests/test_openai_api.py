@@ -82,6 +82,8 @@ async def test_chat_streamed_text_equals_whole_text(
     )  # fmt: skip
     chunks = [c async for c in stream]
     assert chunks[0].choices[0].delta.role == "assistant"
+    # LiteLLM's checks: one id and one created time for every chunk of a stream.
+    assert len({(c.id, c.created) for c in chunks}) == 1
     assert all(c.usage is None for c in chunks[:-1])
     usage_chunk, finish_chunk = chunks[-1], chunks[-2]
     assert usage_chunk.choices == [] and usage_chunk.usage is not None
