@@ -784,7 +784,11 @@ OPENAI_BAD: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": NON_BOOL_SET,
     "presence_penalty": st.one_of(NON_NUMBER, st.floats(min_value=2.0001, allow_infinity=False)),
     "frequency_penalty": st.one_of(NON_NUMBER, st.floats(max_value=-2.0001, allow_infinity=False)),
-    "logprobs": TRUTHY,
+    "logit_bias": st.one_of(NON_DICT_SET, st.just({"x": 1}), st.just({"1": 101}),
+                            st.just({"99999999": 1})),
+    "repetition_penalty": st.one_of(NON_NUMBER, st.just(0), st.floats(min_value=2.0001,
+                                                                      allow_infinity=False)),
+    "min_tokens": st.one_of(NON_INT, st.integers(max_value=-1), st.integers(min_value=3)),
 }  # fmt: skip
 CHAT_BAD: dict[str, st.SearchStrategy[Any]] = {
     "messages": st.one_of(
@@ -799,6 +803,8 @@ CHAT_BAD: dict[str, st.SearchStrategy[Any]] = {
         ),
     ),
     "max_completion_tokens": GEN_BAD["max_tokens"],
+    "logprobs": NON_BOOL_SET,
+    "top_logprobs": st.one_of(NON_INT, st.integers(max_value=-1), st.integers(min_value=21)),
     "tools": TRUTHY,
     "tool_choice": ANY_SET.filter(lambda v: v != "none"),
     "response_format": ANY_SET.filter(
@@ -816,6 +822,8 @@ COMPLETION_BAD: dict[str, st.SearchStrategy[Any]] = {
     ),
     "echo": TRUTHY,
     "suffix": TRUTHY,
+    "logprobs": st.one_of(NON_INT.filter(lambda v: v is not False), st.integers(max_value=-1),
+                          st.integers(min_value=21)),
     "best_of": ANY_SET.filter(lambda v: v != 1),  # True == 1 is accepted
 }  # fmt: skip
 

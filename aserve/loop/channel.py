@@ -120,4 +120,8 @@ def _merge(outputs: deque[StepOutput]) -> Delta:
         text = "".join(o.text for o in outputs)
         ids = [o.token_id for o in outputs]
     reason = last.finish_reason
-    return Delta(text, ids, reason, last.prompt_tokens, last.completion_tokens, reason is not None)
+    # Every output of a request that asked for log probabilities carries its token's.
+    logprobs = None if last.logprob is None else [o.logprob for o in outputs]  # type: ignore[misc]
+    return Delta(
+        text, ids, reason, last.prompt_tokens, last.completion_tokens, reason is not None, logprobs
+    )

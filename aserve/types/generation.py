@@ -26,6 +26,13 @@ class SequenceTooLong(InvalidArgument):
 FinishReason = Literal["stop", "length"]
 """"stop": an end token or stop string; "length": max_tokens or max_model_len reached."""
 
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
+"""A generated token's log probability and its most likely alternatives, most
+likely first: ``(logprob, ((token_id, logprob), ...))``, of the model's own
+distribution (its logits before any setting changed them)."""
+
+MAX_LOGPROBS = 20  # top alternatives per token: OpenAI's top_logprobs bound
+
 _GREEDY_BELOW = 1e-5
 
 
@@ -49,6 +56,11 @@ class SamplingParams:
     loses ``frequency_penalty`` per time it occurs and ``presence_penalty``
     once. 1 and 0 (the defaults) leave the logits as they are.
 
+    ``logprobs`` (None: none) asks for each generated token's log probability
+    and that many alternatives (0 to :data:`MAX_LOGPROBS`), of the model's
+    logits as they came, before the settings above changed them (vLLM's
+    default).
+
     These are the engine's own bounds (what its tensors and the step wire can
     carry); the narrower bounds a request is held to at the edge are
     :func:`sampling_settings`'.
@@ -67,6 +79,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -92,6 +105,10 @@ class SamplingParams:
             raise InvalidArgument("logit_bias: token ids must be >= 0 and biases finite")
         if not 0 <= self.min_tokens < 2**31:
             raise InvalidArgument(f"min_tokens must be >= 0 (got {self.min_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(
+                f"logprobs must be from 0 to {MAX_LOGPROBS} alternatives (got {self.logprobs})"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidArgument(
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
@@ -290,6 +307,8 @@ class StepOutput:
     # :class:`aserve.errors.ErrorCode` value.
     error: str | None = None
     error_code: str = "internal"
+    # The token's log probability and alternatives, when the request asked for them.
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(slots=True)
@@ -309,3 +328,5 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     finished: bool
+    # One per token of ``token_ids``, when the request asked for log probabilities.
+    logprobs: list[TokenLogprob] | None = None

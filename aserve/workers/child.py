@@ -285,6 +285,7 @@ def _serve_steps(
                     out.completion_tokens,
                     out.error,
                     out.error_code,
+                    out.logprob,
                 )
             )
         active = still

@@ -34,7 +34,7 @@ from aserve.config import GenerationConfig
 from aserve.engines.decoder.checkpoint import check_folder
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel, resolve_dtype
-from aserve.engines.decoder.sampling import make_generator, sample
+from aserve.engines.decoder.sampling import make_generator, sample, token_logprobs
 from aserve.engines.decoder.sequence import Sequence
 from aserve.engines.decoder.spec import ModelSpec
 from aserve.engines.decoder.stop import StopMatcher
@@ -294,7 +294,10 @@ class DecoderEngine:
                 )
             seqs = new + running
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-            return sample(logits, seqs)
+            tokens = sample(logits, seqs)
+            for s, logprob in zip(seqs, token_logprobs(logits, tokens, seqs), strict=True):
+                s.step_logprob = logprob
+            return tokens
         except BaseException:
             for s in new:
                 self.free(s)
@@ -362,6 +365,7 @@ class DecoderEngine:
             seq.finish_reason,
             seq.prompt_tokens,
             seq.completion_tokens,
+            logprob=seq.step_logprob,
         )
 
     def _release(self, seq: Sequence) -> str:

@@ -20,6 +20,7 @@ import torch
 
 if TYPE_CHECKING:
     from aserve.engines.decoder.sequence import Sequence as EngineSequence
+    from aserve.types.generation import TokenLogprob
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -159,3 +160,31 @@ def sample(logits: torch.Tensor, seqs: Sequence[EngineSequence]) -> list[int]:
         pick = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
         tokens[sel] = ids.gather(1, pick).squeeze(-1)
     return tokens.tolist()
+
+
+@torch.inference_mode()
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], seqs: Sequence[EngineSequence]
+) -> list[TokenLogprob | None]:
+    """Each sampled token's log probability and its row's top alternatives, for
+    the rows whose settings ask (``logprobs``; None for the others): one
+    log-softmax and one top-k over the vocabulary for all of them, of the
+    model's ``logits`` as they came."""
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(seqs)
+    if not rows:
+        return out
+    device = logits.device
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)
+    picked = torch.tensor([tokens[i] for i in rows], device=device)
+    chosen = lp.gather(1, picked[:, None]).squeeze(1).tolist()
+    widest = max(seqs[i].params.logprobs or 0 for i in rows)
+    ids: list[list[int]] = [[] for _ in rows]
+    values: list[list[float]] = [[] for _ in rows]
+    if widest:
+        top_values, top_ids = lp.topk(min(widest, lp.shape[-1]), dim=-1)
+        ids, values = top_ids.tolist(), top_values.tolist()
+    for r, i in enumerate(rows):
+        n = seqs[i].params.logprobs or 0
+        out[i] = (chosen[r], tuple(zip(ids[r][:n], values[r][:n], strict=True)))
+    return out

@@ -14,7 +14,7 @@ import torch
 
 from aserve.engines.decoder.detokenizer import IncrementalDetokenizer
 from aserve.engines.decoder.stop import StopMatcher
-from aserve.types.generation import FinishReason, SamplingParams
+from aserve.types.generation import FinishReason, SamplingParams, TokenLogprob
 
 
 @dataclass(eq=False)
@@ -33,6 +33,8 @@ class Sequence:
     slot: int | None = None  # KV-cache slot while running
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # The last sampled token's log probability and alternatives, if asked for.
+    step_logprob: TokenLogprob | None = None
 
     @property
     def finished(self) -> bool:

@@ -22,10 +22,14 @@ for nothing (``n: 1``, ``store: false``): the table is
 :data:`aserve.frontends.http.openai_fields.FIELDS`, and a field it does not
 know is refused too. One choice per request and one prompt per completion
 request; ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
-``top_p``, ``seed``, ``stop`` (at most 4), and vLLM's extensions ``top_k``,
-``ignore_eos`` and ``priority`` (an integer, 0 by default: a lower one is
-admitted to the batch first, and at a full queue takes the place of a less
-urgent one waiting; see :mod:`aserve.loop.continuous`). aserve's own
+``top_p``, ``seed``, ``stop`` (at most 4), ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, log probabilities (chat's ``logprobs``
+and ``top_logprobs``, completions' ``logprobs``: laid out by
+:mod:`aserve.frontends.http.openai_logprobs`), and vLLM's extensions
+``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and
+``priority`` (an integer, 0 by default: a lower one is admitted to the batch
+first, and at a full queue takes the place of a less urgent one waiting; see
+:mod:`aserve.loop.continuous`). aserve's own
 ``timeout_ms`` field bounds the request as the ``aserve-timeout-ms`` header
 does (the earlier of the two applies; see
 :func:`aserve.frontends.common.resolve_deadline`).
@@ -59,6 +63,7 @@ from aserve.frontends.http.openai_fields import (
     check_message_fields,
     check_stream_options,
 )
+from aserve.frontends.http.openai_logprobs import Strings, chat_logprobs, completion_logprobs
 from aserve.frontends.http.stream import DONE, json_stream
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.prompt_size import check_prompt_size
@@ -69,10 +74,12 @@ from aserve.loop.runtimes.generation import (
     request_priority,
 )
 from aserve.types.generation import (
+    MAX_LOGPROBS,
     SAMPLING_KEYS,
     BadSetting,
     Delta,
     SamplingParams,
+    TokenLogprob,
     sampling_settings,
 )
 
@@ -240,28 +247,56 @@ class OpenAIApi:
             "created": int(time.time()),
             "model": model,
         }
+        strings = runtime.token_strings if parsed.params.logprobs is not None else None
         async with req:
             if not parsed.stream:
-                return await _whole(req, head, chat)
-            return await _stream(request, req, head, chat, parsed.include_usage)
+                return await _whole(req, head, chat, strings)
+            return await _stream(request, req, head, chat, parsed.include_usage, strings)
 
 
-async def _whole(req: GenerationRequest, head: dict[str, Any], chat: bool) -> web.Response:
+async def _whole(
+    req: GenerationRequest, head: dict[str, Any], chat: bool, strings: Strings | None
+) -> web.Response:
+    parts: list[str] = []
+    ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    last: Delta | None = None
     try:
-        text, last = await req.collect()
+        async for delta in req:
+            parts.append(delta.text)
+            ids.extend(delta.token_ids)
+            logprobs.extend(delta.logprobs or ())
+            last = delta
     except AserveError as exc:
         return error_response(exc)
+    text = "".join(parts)
     reason = last.finish_reason if last else None
+    lp = _logprobs(chat, ids, logprobs, strings)
     if chat:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": lp,
             "finish_reason": reason,
         }
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
     return json_response({**head, "choices": [choice], "usage": usage(last)})
+
+
+def _logprobs(
+    chat: bool,
+    ids: list[int],
+    logprobs: list[TokenLogprob] | None,
+    strings: Strings | None,
+    offset: int = 0,
+) -> dict[str, Any] | None:
+    """The choice's ``logprobs`` of these tokens: None unless the request asked."""
+    if strings is None:
+        return None
+    if chat:
+        return chat_logprobs(ids, logprobs or [], strings)
+    return completion_logprobs(ids, logprobs or [], strings, offset)
 
 
 async def _stream(
@@ -270,17 +305,25 @@ async def _stream(
     head: dict[str, Any],
     chat: bool,
     include_usage: bool,
+    strings: Strings | None = None,
 ) -> web.StreamResponse:
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     if include_usage:
         head["usage"] = None
+    offset = 0  # completions: where the next chunk's tokens start, in their texts
 
-    def chunk(piece: str | None, reason: str | None) -> dict[str, Any]:
+    def chunk(piece: str | None, reason: str | None, delta: Delta | None = None) -> dict[str, Any]:
+        nonlocal offset
+        lp = None
+        if delta is not None and strings is not None:
+            lp = _logprobs(chat, delta.token_ids, delta.logprobs, strings, offset)
+            if lp is not None and not chat:
+                offset += sum(len(t) for t in lp["tokens"])
         if chat:
-            delta = {} if piece is None else {"content": piece}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            body = {} if piece is None else {"content": piece}
+            choice = {"index": 0, "delta": body, "logprobs": lp, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": reason}
         return {**head, "choices": [choice]}
 
     sse = json_stream(request, DONE)
@@ -293,13 +336,15 @@ async def _stream(
             await sse.send(first)
         async for delta in req:
             last = delta
+            # Tokens whose text is held back still send their log probabilities.
+            tokens = strings is not None and bool(delta.token_ids)
             if chat:
-                if delta.text:
-                    await sse.send(chunk(delta.text, None))
+                if delta.text or tokens:
+                    await sse.send(chunk(delta.text, None, delta))
                 if delta.finished:
                     await sse.send(chunk(None, delta.finish_reason))
-            elif delta.text or delta.finished:
-                await sse.send(chunk(delta.text, delta.finish_reason))
+            elif delta.text or delta.finished or tokens:
+                await sse.send(chunk(delta.text, delta.finish_reason, delta))
         if include_usage:
             await sse.send({**head, "choices": [], "usage": usage(last)})
         return await sse.finish()
@@ -378,6 +423,7 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
     except BadSetting as exc:
         param = limit if exc.param == "max_tokens" else exc.param
         raise FieldError(param, f"{param}: {exc.message}") from None
+    kw["logprobs"] = _logprobs_asked(body, chat)
     out.params = SamplingParams(**kw)
     try:
         out.priority = request_priority(body.get("priority"))
@@ -389,6 +435,34 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
         except InvalidArgument as exc:
             raise FieldError("timeout_ms", exc.message) from None
     return out
+
+
+def _logprobs_asked(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives per token the request asks log probabilities for
+    (None: no log probabilities): chat's ``logprobs`` (true or false) and
+    ``top_logprobs``, completions' ``logprobs`` (a count; false as null)."""
+    asked = body.get("logprobs")
+    if not chat:
+        if asked is None or asked is False:
+            return None
+        return _count("logprobs", asked)
+    if asked is not None and not isinstance(asked, bool):
+        raise FieldError("logprobs", f"logprobs: must be true or false (got {asked!r})")
+    top = body.get("top_logprobs")
+    nothing = top is None or (_is_int(top) and top == 0)  # clients send 0 by default
+    if not nothing and not asked:
+        raise FieldError("top_logprobs", "top_logprobs: is only allowed when logprobs is true")
+    if not asked:
+        return None
+    return 0 if top is None else _count("top_logprobs", top)
+
+
+def _count(param: str, value: Any) -> int:
+    if not _is_int(value) or not 0 <= value <= MAX_LOGPROBS:
+        raise FieldError(
+            param, f"{param}: must be an integer from 0 to {MAX_LOGPROBS} (got {value!r})"
+        )
+    return value
 
 
 def _model(body: dict[str, Any]) -> str:

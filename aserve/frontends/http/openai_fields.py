@@ -64,7 +64,6 @@ def _refused(routes: frozenset[Route], note: str, *nothing: Any) -> Field:
 
 
 _TOOLS = "tool calling is not supported"
-_LOGPROBS = "log probabilities are not supported"
 _CACHE = "no prompt cache is kept"
 _NAMES = "a string naming the caller; nothing generated depends on it"
 
@@ -88,6 +87,8 @@ FIELDS: dict[str, Field] = {
     "repetition_penalty": Field(BOTH, "honoured", "vLLM's: in (0, 2], tokens of prompt and output"),
     "logit_bias": Field(BOTH, "honoured", "token id -> -100 to 100, at most 1024"),
     "min_tokens": Field(BOTH, "honoured", "vLLM's: no end token or stop string before it"),
+    "logprobs": Field(BOTH, "honoured", "chat: true or false; completions: 0 to 20 alternatives"),
+    "top_logprobs": Field(CHAT, "honoured", "0 to 20 alternatives, with logprobs true"),
     "priority": Field(BOTH, "honoured", "vLLM's: an integer, lower is served first"),
     "timeout_ms": Field(BOTH, "honoured", "aserve's: the request's deadline"),
     "user": Field(BOTH, "accepted", _NAMES),
@@ -97,8 +98,6 @@ FIELDS: dict[str, Field] = {
     "best_of": _refused(BOTH, "only 1 is supported", 1),
     "echo": _refused(BOTH, "echoing the prompt is not supported", False),
     "suffix": _refused(BOTH, "suffixes (insertion) are not supported", ""),
-    "logprobs": _refused(BOTH, _LOGPROBS, False),
-    "top_logprobs": _refused(CHAT, _LOGPROBS, 0),
     "tools": _refused(BOTH, _TOOLS, []),
     "functions": _refused(CHAT, _TOOLS, []),
     "tool_choice": _refused(BOTH, _TOOLS, "none"),

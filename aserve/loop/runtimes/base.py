@@ -368,6 +368,11 @@ class Generator(Runtime):
         """End every queued and running stream now, each with an error its route
         sends (a drain's cut-off); new requests are refused."""
 
+    @abc.abstractmethod
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's own text (a token that is part of a character: U+FFFD
+        for the bytes it lacks), for log probabilities' ``token`` fields."""
+
 
 class Decoupled(Runtime):
     """A runtime that answers a request with any number of responses (Triton's
