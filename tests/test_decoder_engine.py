@@ -324,3 +324,32 @@ def test_a_top_k_past_the_vocabulary_does_not_overflow_the_step(llama_dir: Path)
     assert [o.error for o in outs] == [None, None]
     with pytest.raises(InvalidArgument, match="top_k"):
         SamplingParams(top_k=2**63)
+
+
+def test_equal_prompts_of_one_step_are_prefilled_once(lm_dir: Path) -> None:
+    """The choices of a request with n > 1 (equal prompts admitted together) share
+    one prefill, its KV copied to each one's slot: each generates exactly what it
+    would alone, and the model ran the prompt once."""
+    engine = make_engine(lm_dir)
+    params = [
+        SamplingParams(temperature=1.0, seed=s, max_tokens=10, ignore_eos=True) for s in (1, 2, 3)
+    ]
+    alone = []
+    for i, p in enumerate(params):
+        seq = engine.new_sequence(f"alone{i}", TEXTS[2], p)
+        drive(engine, [(0, seq)])
+        alone.append(seq.output_ids)
+    prefill = engine.model.prefill
+    rows: list[int] = []
+
+    def counted(cache, slots, prompts):  # a spy on the real prefill: how many prompts ran
+        rows.append(len(prompts))
+        return prefill(cache, slots, prompts)
+
+    engine.model.prefill = counted  # type: ignore[method-assign]
+    together = [engine.new_sequence(f"n{i}", TEXTS[2], p) for i, p in enumerate(params)]
+    other = engine.new_sequence("other", TEXTS[0], GREEDY)
+    drive(engine, [(0, s) for s in [*together, other]])
+    assert rows == [2]  # one step: the shared prompt once, the other prompt once
+    assert [s.output_ids for s in together] == alone
+    assert len({tuple(a) for a in alone}) == 3  # the seeds really differ

@@ -779,7 +779,7 @@ OPENAI_BAD: dict[str, st.SearchStrategy[Any]] = {
     "stop": st.one_of(values("str", "none", "list"),
                       st.lists(NON_STR, min_size=1, max_size=3), st.just(""), st.just(["a", ""]),
                       st.lists(st.just("s"), min_size=5, max_size=8)),
-    "n": ANY_SET.filter(lambda v: v != 1 or isinstance(v, bool)),
+    "n": st.one_of(NON_INT, st.integers(max_value=0), st.integers(min_value=9)),  # max_num_seqs 8
     "stream": NON_BOOL_SET,
     "ignore_eos": NON_BOOL_SET,
     "presence_penalty": st.one_of(NON_NUMBER, st.floats(min_value=2.0001, allow_infinity=False)),
@@ -824,7 +824,7 @@ COMPLETION_BAD: dict[str, st.SearchStrategy[Any]] = {
     "suffix": TRUTHY,
     "logprobs": st.one_of(NON_INT.filter(lambda v: v is not False), st.integers(max_value=-1),
                           st.integers(min_value=21)),
-    "best_of": ANY_SET.filter(lambda v: v != 1),  # True == 1 is accepted
+    "best_of": st.one_of(NON_INT, st.integers(max_value=0), st.integers(min_value=9)),
 }  # fmt: skip
 
 

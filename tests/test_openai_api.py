@@ -154,7 +154,10 @@ def test_max_tokens_ends_with_length_and_ignore_eos(client: openai.OpenAI) -> No
 @pytest.mark.parametrize(
     ("kind", "body", "param", "message"),
     [
-        ("cmpl", {"n": 2}, "n", "only 1 choice"),
+        ("cmpl", {"n": 0}, "n", "from 1 to 128"),
+        ("cmpl", {"n": 9}, "n", "more than this model runs at once (generation.max_num_seqs 8)"),
+        ("cmpl", {"n": 3, "best_of": 2}, "best_of", "must be at least n (3)"),
+        ("cmpl", {"best_of": 2, "stream": True}, "best_of", "more than n cannot be streamed"),
         ("cmpl", {"temperature": 3}, "temperature", "from 0 to 2"),
         ("cmpl", {"max_tokens": 0}, "max_tokens", ">= 1"),
         ("cmpl", {"max_tokens": 121}, "max_tokens", "over this model's limit (120)"),
@@ -269,7 +272,7 @@ REFUSED_CHAT: list[tuple[str, Any]] = [
 REFUSED_COMPLETIONS: list[tuple[str, Any]] = [
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
-    ("best_of", 3), ("suffix", "x"),
+    ("suffix", "x"),
     ("max_completion_tokens", 4), ("messages", CHAT_MESSAGES),  # chat's, not completions'
 ]  # fmt: skip
 

@@ -51,9 +51,9 @@ def test_the_page_lists_every_field_as_the_code_treats_it() -> None:
 
 
 def test_a_value_that_asks_for_something_is_not_taken_for_one_that_does_not() -> None:
-    # JSON's true is not 1, 0.5 is not 0, and a list with more is not the empty one.
-    assert not FIELDS["n"].allows(True)
-    assert FIELDS["n"].allows(1) and not FIELDS["n"].allows(2)
+    # JSON's false is not 0, "auto" is not "flex", and a list with more is not the empty one.
+    assert not FIELDS["store"].allows(0) and FIELDS["store"].allows(False)
+    assert FIELDS["service_tier"].allows("auto") and not FIELDS["service_tier"].allows("flex")
     assert not FIELDS["echo"].allows(0) and FIELDS["echo"].allows(False)
     assert not FIELDS["tools"].allows([{"type": "function"}]) and FIELDS["tools"].allows([])
     assert not FIELDS["response_format"].allows({"type": "text", "x": 1})

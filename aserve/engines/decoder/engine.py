@@ -280,9 +280,7 @@ class DecoderEngine:
         try:
             parts = []
             if new:
-                parts.append(
-                    model.prefill(cache, [s.slot for s in new], [s.prompt_ids for s in new])  # type: ignore[misc]
-                )
+                parts.append(self._prefill(new))
             if running:
                 parts.append(
                     model.decode(
@@ -302,6 +300,34 @@ class DecoderEngine:
             for s in new:
                 self.free(s)
             raise
+
+    def _prefill(self, new: list[Sequence]) -> torch.Tensor:
+        """The new sequences' prompts, each distinct one prefilled once: a sequence
+        whose prompt another of this step has (the choices of a request with
+        ``n`` > 1, or two clients' equal prompts) gets a copy of that one's KV
+        and its logits row. Returns one logits row per sequence, in order."""
+        first: dict[tuple[int, ...], int] = {}
+        owners: list[Sequence] = []  # the first sequence of each distinct prompt
+        rows: list[int] = []  # each sequence's row among the owners'
+        for s in new:
+            key = tuple(s.prompt_ids)
+            row = first.get(key)
+            if row is None:
+                row = first[key] = len(owners)
+                owners.append(s)
+            rows.append(row)
+        logits = self.model.prefill(
+            self.cache,
+            [s.slot for s in owners],
+            [s.prompt_ids for s in owners],  # type: ignore[misc]
+        )
+        if len(owners) == len(new):
+            return logits
+        for s, row in zip(new, rows, strict=True):
+            owner = owners[row]
+            if s is not owner:
+                self.cache.copy(owner.slot, s.slot, len(s.prompt_ids))  # type: ignore[arg-type]
+        return logits[torch.tensor(rows, device=logits.device)]
 
     def _alone(self, seq: Sequence, is_new: bool) -> StepOutput:
         """One member of a failed step, run on its own; a failure is its own."""

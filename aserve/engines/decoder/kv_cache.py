@@ -66,6 +66,13 @@ class KVCache:
         self._taken.remove(slot)
         heapq.heappush(self._free, slot)
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Give slot ``dst`` the first ``length`` positions of slot ``src`` (a
+        prompt prefilled once for several sequences of it)."""
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
+
     def check_slots(self, slots: list[int]) -> None:
         for s in slots:
             if s not in self._taken:

@@ -39,9 +39,12 @@ Frontends layer; handlers run on the loop.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -101,6 +104,7 @@ _TYPES = {
 _RETRYABLE = (ErrorCode.QUEUE_FULL, ErrorCode.UNAVAILABLE)
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _MAX_STOP = 4
+MAX_CHOICES = 128  # n and best_of, as OpenAI's; a model's max_num_seqs bounds them too
 # Engine messages start with the field they are about: "max_tokens: ...", "messages[0]: ...".
 _FIELD_PREFIX = re.compile(r"^([a-z_]+)(?:\[\d+\])?[: ]")
 _FIELDS = frozenset(
@@ -235,9 +239,26 @@ class OpenAIApi:
                 runtime.default_timeout_s,
                 self._max_timeout_s,
             )
-            req = runtime.generate(
-                seq, timeout, arrival=request[ARRIVAL_KEY], priority=parsed.priority
-            )
+            count = parsed.best_of or parsed.n
+            most = runtime.generation.max_num_seqs
+            if count > most:
+                name = "best_of" if parsed.best_of else "n"
+                raise FieldError(
+                    name, f"{name}: {count} choices are more than this model runs at once "
+                    f"(generation.max_num_seqs {most})",
+                )  # fmt: skip
+            reqs: list[GenerationRequest] = []
+            try:
+                for s in runtime.choices(seq, count) if count > 1 else [seq]:
+                    reqs.append(
+                        runtime.generate(
+                            s, timeout, arrival=request[ARRIVAL_KEY], priority=parsed.priority
+                        )
+                    )
+            except AserveError:
+                for r in reqs:  # all or none: the choices queued already leave
+                    r.cancel()
+                raise
         except AserveError as exc:
             return error_response(exc)
         prefix = "chatcmpl-" if chat else "cmpl-"
@@ -247,41 +268,116 @@ class OpenAIApi:
             "created": int(time.time()),
             "model": model,
         }
-        strings = runtime.token_strings if parsed.params.logprobs is not None else None
-        async with req:
+        strings = runtime.token_strings if parsed.logprobs_asked else None
+        async with contextlib.AsyncExitStack() as stack:
+            for r in reqs:
+                await stack.enter_async_context(r)  # leaving cancels every choice
             if not parsed.stream:
-                return await _whole(req, head, chat, strings)
-            return await _stream(request, req, head, chat, parsed.include_usage, strings)
+                return await _whole(reqs, head, chat, strings, parsed.n)
+            return await _stream(request, reqs, head, chat, parsed.include_usage, strings)
+
+
+async def _deltas(reqs: list[GenerationRequest]) -> AsyncIterator[tuple[int, Delta]]:
+    """Each choice's deltas as they come, with the choice's index. Several
+    choices are read at once, each by a task that hands its deltas over one
+    at a time: a slow reader holds every choice back (their channels fill and
+    their sequences pause) rather than buffer here."""
+    if len(reqs) == 1:
+        async for delta in reqs[0]:
+            yield 0, delta
+        return
+    handed: asyncio.Queue[tuple[int, Delta | None, AserveError | None]] = asyncio.Queue(1)
+
+    async def read(index: int, req: GenerationRequest) -> None:
+        try:
+            async for delta in req:
+                await handed.put((index, delta, None))
+        except AserveError as exc:
+            await handed.put((index, None, exc))
+            return
+        await handed.put((index, None, None))
+
+    readers = [asyncio.create_task(read(i, r)) for i, r in enumerate(reqs)]
+    try:
+        left = len(reqs)
+        while left:
+            index, delta, error = await handed.get()
+            if error is not None:
+                raise error
+            if delta is None:
+                left -= 1
+            else:
+                yield index, delta
+    finally:
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+
+
+class _Choice:
+    """One choice's text, tokens and log probabilities so far, and its last delta."""
+
+    __slots__ = ("ids", "last", "logprobs", "parts")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.last: Delta | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.parts.append(delta.text)
+        self.ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or ())
+        self.last = delta
+
+    @property
+    def score(self) -> float:
+        """best_of's rank: the log probability of everything it generated."""
+        return sum(float(lp) for lp, _ in self.logprobs)
+
+
+def _usage(lasts: list[Delta | None]) -> dict[str, int]:
+    """Usage of a request's choices: the prompt once, every choice's tokens."""
+    if len(lasts) == 1:
+        return usage(lasts[0])
+    prompt = next((d.prompt_tokens for d in lasts if d is not None), 0)
+    completion = sum(d.completion_tokens for d in lasts if d is not None)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 async def _whole(
-    req: GenerationRequest, head: dict[str, Any], chat: bool, strings: Strings | None
+    reqs: list[GenerationRequest],
+    head: dict[str, Any],
+    chat: bool,
+    strings: Strings | None,
+    n: int,
 ) -> web.Response:
-    parts: list[str] = []
-    ids: list[int] = []
-    logprobs: list[TokenLogprob] = []
-    last: Delta | None = None
+    got = [_Choice() for _ in reqs]
     try:
-        async for delta in req:
-            parts.append(delta.text)
-            ids.extend(delta.token_ids)
-            logprobs.extend(delta.logprobs or ())
-            last = delta
+        async for index, delta in _deltas(reqs):
+            got[index].add(delta)
     except AserveError as exc:
         return error_response(exc)
-    text = "".join(parts)
-    reason = last.finish_reason if last else None
-    lp = _logprobs(chat, ids, logprobs, strings)
-    if chat:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": lp,
-            "finish_reason": reason,
-        }
-    else:
-        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
-    return json_response({**head, "choices": [choice], "usage": usage(last)})
+    # best_of: the n whose generations are the most likely, in that order.
+    kept = got if len(got) == n else sorted(got, key=lambda c: c.score, reverse=True)[:n]
+    choices = []
+    for index, c in enumerate(kept):
+        text = "".join(c.parts)
+        reason = c.last.finish_reason if c.last else None
+        lp = _logprobs(chat, c.ids, c.logprobs, strings)
+        if chat:
+            message = {"role": "assistant", "content": text}
+            choices.append(
+                {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
+            )
+        else:
+            choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": reason})
+    return json_response({**head, "choices": choices, "usage": _usage([c.last for c in got])})
 
 
 def _logprobs(
@@ -301,7 +397,7 @@ def _logprobs(
 
 async def _stream(
     request: web.Request,
-    req: GenerationRequest,
+    reqs: list[GenerationRequest],
     head: dict[str, Any],
     chat: bool,
     include_usage: bool,
@@ -310,50 +406,54 @@ async def _stream(
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     if include_usage:
         head["usage"] = None
-    offset = 0  # completions: where the next chunk's tokens start, in their texts
+    # Completions: where each choice's next chunk's tokens start, in their texts.
+    offsets = [0] * len(reqs)
 
-    def chunk(piece: str | None, reason: str | None, delta: Delta | None = None) -> dict[str, Any]:
-        nonlocal offset
+    def chunk(
+        index: int, piece: str | None, reason: str | None, delta: Delta | None = None
+    ) -> dict[str, Any]:
         lp = None
         if delta is not None and strings is not None:
-            lp = _logprobs(chat, delta.token_ids, delta.logprobs, strings, offset)
+            lp = _logprobs(chat, delta.token_ids, delta.logprobs, strings, offsets[index])
             if lp is not None and not chat:
-                offset += sum(len(t) for t in lp["tokens"])
+                offsets[index] += sum(len(t) for t in lp["tokens"])
         if chat:
             body = {} if piece is None else {"content": piece}
-            choice = {"index": 0, "delta": body, "logprobs": lp, "finish_reason": reason}
+            choice = {"index": index, "delta": body, "logprobs": lp, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": reason}
+            choice = {"index": index, "text": piece or "", "logprobs": lp,
+                      "finish_reason": reason}  # fmt: skip
         return {**head, "choices": [choice]}
 
     sse = json_stream(request, DONE)
-    last: Delta | None = None
+    lasts: list[Delta | None] = [None] * len(reqs)
     try:
         await sse.start()
         if chat:
-            first = chunk("", None)
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            await sse.send(first)
-        async for delta in req:
-            last = delta
+            for index in range(len(reqs)):
+                first = chunk(index, "", None)
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                await sse.send(first)
+        async for index, delta in _deltas(reqs):
+            lasts[index] = delta
             # Tokens whose text is held back still send their log probabilities.
             tokens = strings is not None and bool(delta.token_ids)
             if chat:
                 if delta.text or tokens:
-                    await sse.send(chunk(delta.text, None, delta))
+                    await sse.send(chunk(index, delta.text, None, delta))
                 if delta.finished:
-                    await sse.send(chunk(None, delta.finish_reason))
+                    await sse.send(chunk(index, None, delta.finish_reason))
             elif delta.text or delta.finished or tokens:
-                await sse.send(chunk(delta.text, delta.finish_reason, delta))
+                await sse.send(chunk(index, delta.text, delta.finish_reason, delta))
         if include_usage:
-            await sse.send({**head, "choices": [], "usage": usage(last)})
+            await sse.send({**head, "choices": [], "usage": _usage(lasts)})
         return await sse.finish()
     except AserveError as exc:
         request[STATUS_KEY] = exc.code.value
         return await sse.fail(error_doc(exc))
     except ConnectionError:
         request[STATUS_KEY] = ErrorCode.CANCELLED.value
-        return sse.response  # the client went away; leaving cancels the sequence
+        return sse.response  # the client went away; leaving cancels the sequences
 
 
 # --- request parsing -------------------------------------------------------------------
@@ -361,8 +461,8 @@ async def _stream(
 
 class _Parsed:
     __slots__ = (
-        "include_usage", "limit_field", "messages", "params", "priority", "prompt", "stream",
-        "timeout_s",
+        "best_of", "include_usage", "limit_field", "logprobs_asked", "messages", "n", "params",
+        "priority", "prompt", "stream", "timeout_s",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -374,6 +474,9 @@ class _Parsed:
         self.timeout_s: float | None = None  # aserve's timeout_ms field, if given
         self.priority = 0  # vLLM's: lower is admitted first
         self.limit_field = "max_tokens"  # or max_completion_tokens, as the request named it
+        self.n = 1  # choices answered
+        self.best_of: int | None = None  # completions: choices generated, the n best kept
+        self.logprobs_asked = False  # the answer shows log probabilities
 
 
 def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
@@ -424,6 +527,18 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
         param = limit if exc.param == "max_tokens" else exc.param
         raise FieldError(param, f"{param}: {exc.message}") from None
     kw["logprobs"] = _logprobs_asked(body, chat)
+    out.logprobs_asked = kw["logprobs"] is not None
+    out.n = _choices("n", body.get("n"), 1)
+    if not chat and body.get("best_of") is not None:
+        out.best_of = _choices("best_of", body["best_of"], 1)
+        if out.best_of < out.n:
+            raise FieldError(
+                "best_of", f"best_of: must be at least n ({out.n}) (got {out.best_of})"
+            )
+        if out.stream and out.best_of > out.n:
+            raise FieldError("best_of", "best_of: more than n cannot be streamed")
+        if out.best_of > out.n and kw["logprobs"] is None:
+            kw["logprobs"] = 0  # best_of ranks the choices by their tokens' log probabilities
     out.params = SamplingParams(**kw)
     try:
         out.priority = request_priority(body.get("priority"))
@@ -455,6 +570,17 @@ def _logprobs_asked(body: dict[str, Any], chat: bool) -> int | None:
     if not asked:
         return None
     return 0 if top is None else _count("top_logprobs", top)
+
+
+def _choices(param: str, value: Any, default: int) -> int:
+    """``n`` or ``best_of``: 1 to MAX_CHOICES (null: ``default``)."""
+    if value is None:
+        return default
+    if not _is_int(value) or not 1 <= value <= MAX_CHOICES:
+        raise FieldError(
+            param, f"{param}: must be an integer from 1 to {MAX_CHOICES} (got {value!r})"
+        )
+    return value
 
 
 def _count(param: str, value: Any) -> int:

@@ -369,6 +369,12 @@ class Generator(Runtime):
         sends (a drain's cut-off); new requests are refused."""
 
     @abc.abstractmethod
+    def choices(self, sequence: EngineSequence, n: int) -> list[EngineSequence]:
+        """``sequence`` and ``n - 1`` more of its prompt and settings (a seeded
+        one's seeds follow it: seed, seed + 1, ...), for a request with ``n``
+        choices; queued together, their prompt is prefilled once."""
+
+    @abc.abstractmethod
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Each token's own text (a token that is part of a character: U+FFFD
         for the bytes it lacks), for log probabilities' ``token`` fields."""

@@ -15,6 +15,7 @@ request parameters) with the whole generated text.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import reprlib
@@ -114,6 +115,18 @@ class GenerationRuntime(Generator):
     @property
     def has_chat_template(self) -> bool:
         return self.tokenizer.has_chat_template
+
+    def choices(self, sequence: EngineSequence, n: int) -> list[EngineSequence]:
+        assert self._engine is not None
+        params, seqs = sequence.params, [sequence]
+        for i in range(1, n):
+            seed = None if params.seed is None else (params.seed + i) % 2**64
+            seqs.append(self._engine.build_sequence(
+                sequence.request_id, list(sequence.prompt_ids),
+                dataclasses.replace(params, seed=seed), sequence.max_tokens,
+                sequence.stop_token_ids,
+            ))  # fmt: skip
+        return seqs
 
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         # One call into the tokenizer for all of them: a few microseconds a token.
