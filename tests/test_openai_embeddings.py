@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -322,3 +323,90 @@ def test_langchain_openai_embeddings(srv: ServerProcess) -> None:
     np.testing.assert_allclose(
         short.embed_query(TEXTS[0]), full[:4] / np.linalg.norm(full[:4]), atol=1e-6
     )
+
+
+def test_one_failing_item_fails_its_request_alone(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.InternalServerError) as info:
+        client.embeddings.create(model="emb", input=["fine", "!fail here", "also fine"])
+    assert "preprocess failed: ValueError: cannot embed '!fail here'" in str(info.value)
+    out = client.embeddings.create(model="emb", input=["fine"], encoding_format="float")
+    np.testing.assert_allclose(out.data[0].embedding, _want("fine"), atol=1e-6)
+
+
+async def test_a_client_gone_withdraws_its_queued_items(srv: ServerProcess) -> None:
+    """A request's items wait behind a held batch; its client goes; they leave the
+    queue, uncounted as inferences, and the held request is answered."""
+    closed = srv.gate / "closed"  # type: ignore[attr-defined]
+    url = srv.base + "/v1/embeddings"
+    closed.touch()
+    try:
+        async with aiohttp.ClientSession() as session, aiohttp.ClientSession() as other:
+            before = await stats(session, srv.base, "emb-gated")
+
+            async def ask(s: aiohttp.ClientSession, texts: list[str]) -> Any:
+                body = orjson.dumps({"model": "emb-gated", "input": texts})
+                async with s.post(url, data=body) as r:
+                    return r.status, await r.json()
+
+            held = asyncio.ensure_future(ask(session, ["held"]))
+            await wait_for_stats(
+                session, srv.base, "emb-gated", lambda s: s["running_batch_count"] == 1
+            )
+            gone = asyncio.ensure_future(ask(other, ["a", "b", "c"]))
+            await wait_for_stats(
+                session, srv.base, "emb-gated", lambda s: s["pending_request_count"] == 3
+            )
+            gone.cancel()
+            await other.close()  # the connection closes: the server cancels the request
+            await wait_for_stats(
+                session, srv.base, "emb-gated",
+                lambda s: s["pending_request_count"] == 0
+                and s["cancelled"] == before["cancelled"] + 3,
+            )  # fmt: skip
+            closed.unlink()
+            status, body = await held
+            after = await wait_for_stats(
+                session, srv.base, "emb-gated", lambda s: s["running_batch_count"] == 0
+            )
+    finally:
+        closed.unlink(missing_ok=True)
+    assert status == 200, body
+    np.testing.assert_allclose(body["data"][0]["embedding"], _want("held"), atol=1e-6)
+    assert after["inference_count"] - before["inference_count"] == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [({"inputs": [spec("A", "BYTES", [1]), spec("B", "BYTES", [1])]},
+      "'A' must be the model's only input (its inputs: A, B)"),
+     ({"inputs": [spec("A", "FP32", [4])]}, "'A' is FP32 [4]; an embedding input is BYTES [1]"),
+     ({"outputs": [spec("E", "INT64", [8])]}, "'E' is INT64 [8]; an embedding is FP16, FP32"),
+     ({"outputs": [spec("E", "FP32", [-1])]}, "of one fixed dimension [D]"),
+     ({"embeddings": {"output": "F"}}, "openai.embeddings.output: the model has no output 'F'"),
+     ({"embeddings": {"dimensions": [4, 9]}}, "9 is more than the embedding's 8 values"),
+     ({"embeddings": {"dimensions": [4, 4]}}, "each size once"),
+     ({"embeddings": {"token_count_output": "E"}}, "'E' must be an INT32 or INT64 [1] output"),
+     ({"engine": "decoder"}, "a decoder does not embed"),
+     ({"decoupled": True}, "a decoupled model does not embed")],
+)  # fmt: skip
+def test_the_config_checks_what_the_model_declares(change: dict[str, Any], match: str) -> None:
+    from pydantic import ValidationError
+
+    from aserve.config import ModelConfig
+
+    entry: dict[str, Any] = {
+        "name": "e", "engine": "python", "handler": "embedder:Embedder",
+        "inputs": [spec("A", "BYTES", [1])], "outputs": [spec("E", "FP32", [8])],
+    }  # fmt: skip
+    embeddings = {"input": "A", "output": "E", **change.pop("embeddings", {})}
+    entry.update(change)
+    if entry["engine"] == "decoder":
+        entry = {"name": "e", "engine": "decoder", "path": "x"}
+    entry["openai"] = {"embeddings": embeddings}
+    with pytest.raises(ValidationError, match=re.escape(match)):
+        ModelConfig.model_validate(entry)
+    ModelConfig.model_validate(
+        {"name": "e", "engine": "python", "handler": "embedder:Embedder",
+         "inputs": [spec("A", "INT32", [-1])], "outputs": [spec("E", "FP16", [8])],
+         "openai": {"embeddings": {"input": "A", "output": "E", "dimensions": [2]}}}
+    )  # fmt: skip

@@ -13,7 +13,8 @@ random table, L2-normalised. One model takes either:
 Outputs: ``EMBEDDING`` (FP32 ``[DIM]``), and ``TOKENS`` (INT64 ``[1]``) when
 the model declares it: how many tokens the item had. Items are padded to
 ``WIDTH`` tokens in ``preprocess`` (longer ones are cut), so any two items
-batch together. With ``parameters.gate`` (a folder), ``infer`` waits while
+batch together. A text starting with ``!fail`` fails in ``preprocess``.
+With ``parameters.gate`` (a folder), ``infer`` waits while
 the file ``closed`` is in it, so a test can hold a batch and let others queue.
 """
 
@@ -62,6 +63,8 @@ class Embedder:
         ids = np.zeros((len(items), WIDTH), np.int64)
         count = np.zeros((len(items), 1), np.int64)
         for row, item in enumerate(items):
+            if self.input == "TEXT" and item[0].startswith(b"!fail"):
+                raise ValueError(f"cannot embed {item[0].decode()!r}")
             tokens = tokenize(item[0]) if self.input == "TEXT" else [int(t) for t in item]
             tokens = tokens[:WIDTH]
             ids[row, : len(tokens)] = np.asarray(tokens) % VOCAB
