@@ -13,7 +13,9 @@ import asyncio
 import base64
 import importlib.util
 import re
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -52,6 +54,24 @@ def _embedding_model(name: str, input_: str, datatype: str, shape: list[int], **
     }
 
 
+def _script_bag(path: Path) -> None:
+    """The embedder's table and pooling as a TorchScript module: token ids -> embedding."""
+    import torch
+
+    class Bag(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.from_numpy(embedder._TABLE.copy()))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            v = self.table[ids % self.table.shape[0]].mean(dim=1)
+            return v / torch.linalg.vector_norm(v, dim=1, keepdim=True)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation notice
+        torch.jit.script(Bag()).save(str(path))
+
+
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("embeddings")
@@ -70,10 +90,17 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
                     spec("UPPER", "BYTES", [1]), spec("BATCH", "INT64", [1])],
     }  # fmt: skip
     ids = {"max_input_tokens": 64}
+    _script_bag(folder / "bag.pt")
+    torch_bag = {  # the same embedding bag as a TorchScript file: any engine embeds
+        "name": "emb-torch", "engine": "torch", "path": "bag.pt",
+        "inputs": [spec("IDS", "INT64", [-1])], "outputs": [spec("EMBEDDING", "FP32", [DIM])],
+        "openai": {"embeddings": {"input": "IDS", "output": "EMBEDDING", "dimensions": [8]}},
+    }  # fmt: skip
     models = [
         _embedding_model("emb", "TEXT", "BYTES", [1], embeddings=text),
         _embedding_model("emb-ids", "IDS", "INT64", [-1], embeddings=ids),
         _embedding_model("emb-gated", "TEXT", "BYTES", [1], parameters={"gate": str(gate)}),
+        torch_bag,
         plain,
     ]
     config = {"models": models}
@@ -94,7 +121,7 @@ def _want(text: str) -> np.ndarray:
 
 def test_models_lists_the_embedding_models(client: openai.OpenAI) -> None:
     ids = sorted(m.id for m in client.models.list())
-    assert ids == ["emb", "emb-gated", "emb-ids"]  # not "plain": it does not embed
+    assert ids == ["emb", "emb-gated", "emb-ids", "emb-torch"]  # not "plain": it does not embed
     model = client.models.retrieve("emb")
     assert (model.id, model.object, model.owned_by) == ("emb", "model", "aserve")
     assert isinstance(model.created, int) and model.created > 0
@@ -410,3 +437,17 @@ def test_the_config_checks_what_the_model_declares(change: dict[str, Any], match
          "inputs": [spec("A", "INT32", [-1])], "outputs": [spec("E", "FP16", [8])],
          "openai": {"embeddings": {"input": "A", "output": "E", "dimensions": [2]}}}
     )  # fmt: skip
+
+
+def test_a_torch_model_embeds_token_ids(client: openai.OpenAI) -> None:
+    lists = [[1, 2, 3], [4, 5, 6], [7, 8]]  # two of one length batch; the third alone
+    out = client.embeddings.create(model="emb-torch", input=lists, encoding_format="float")
+    for d, ids in zip(out.data, lists, strict=True):
+        np.testing.assert_allclose(d.embedding, embedder.embed(ids), atol=1e-6)
+    short = client.embeddings.create(model="emb-torch", input=[9, 10], dimensions=8)
+    full = embedder.embed([9, 10])
+    np.testing.assert_allclose(
+        short.data[0].embedding, full[:8] / np.linalg.norm(full[:8]), atol=1e-6
+    )
+    _refused(client, 400, "input", "model 'emb-torch/1' takes token ids only", model="emb-torch",
+             input="text")  # fmt: skip
