@@ -414,7 +414,8 @@ async def test_a_client_gone_withdraws_its_queued_items(srv: ServerProcess) -> N
      ({"embeddings": {"dimensions": [4, 4]}}, "each size once"),
      ({"embeddings": {"token_count_output": "E"}}, "'E' must be an INT32 or INT64 [1] output"),
      ({"engine": "decoder"}, "a decoder does not embed"),
-     ({"decoupled": True}, "a decoupled model does not embed")],
+     ({"decoupled": True}, "a decoupled model does not embed"),
+     ({"sequence_batching": {}}, "a sequence-batched model keeps state per sequence")],
 )  # fmt: skip
 def test_the_config_checks_what_the_model_declares(change: dict[str, Any], match: str) -> None:
     from pydantic import ValidationError
