@@ -48,9 +48,9 @@ def _embedding_model(name: str, input_: str, datatype: str, shape: list[int], **
         "handler": "embedder:Embedder",
         "inputs": [spec(input_, datatype, shape)],
         "outputs": outputs,
-        "batching": {"max_batch_size": 8},
         "openai": {"embeddings": embeddings},
         **extra,
+        "batching": {"max_batch_size": 8, **extra.get("batching", {})},
     }
 
 
@@ -101,6 +101,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         _embedding_model("emb-ids", "IDS", "INT64", [-1], embeddings=ids),
         _embedding_model("emb-gated", "TEXT", "BYTES", [1], parameters={"gate": str(gate)}),
         torch_bag,
+        # A queue of one: a request's items must not overflow it on their own.
+        _embedding_model("emb-q1", "TEXT", "BYTES", [1], batching={"max_queue_size": 1}),
         plain,
     ]
     config = {"models": models}
@@ -121,7 +123,8 @@ def _want(text: str) -> np.ndarray:
 
 def test_models_lists_the_embedding_models(client: openai.OpenAI) -> None:
     ids = sorted(m.id for m in client.models.list())
-    assert ids == ["emb", "emb-gated", "emb-ids", "emb-torch"]  # not "plain": it does not embed
+    # Not "plain": it does not embed.
+    assert ids == ["emb", "emb-gated", "emb-ids", "emb-q1", "emb-torch"]
     model = client.models.retrieve("emb")
     assert (model.id, model.object, model.owned_by) == ("emb", "model", "aserve")
     assert isinstance(model.created, int) and model.created > 0
@@ -452,3 +455,10 @@ def test_a_torch_model_embeds_token_ids(client: openai.OpenAI) -> None:
     )
     _refused(client, 400, "input", "model 'emb-torch/1' takes token ids only", model="emb-torch",
              input="text")  # fmt: skip
+
+
+def test_a_request_never_fills_the_queue_with_its_own_items(client: openai.OpenAI) -> None:
+    texts = [f"item {i}" for i in range(12)]
+    out = client.embeddings.create(model="emb-q1", input=texts, encoding_format="float")
+    for d, text in zip(out.data, texts, strict=True):
+        np.testing.assert_allclose(d.embedding, _want(text), atol=1e-6)

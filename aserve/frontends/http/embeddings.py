@@ -5,9 +5,9 @@ is one request of batch size 1 to the model's own runtime, so it goes through
 the model's batcher, admission and deadline like a ``/infer`` request, and
 batches with other clients' items (one request holding its items together
 would batch only with requests of its own size). A request has at most
-``max_batch_size x instances`` of its items in the model at once: enough to
-fill every instance's batch, and a request of many items never fills the
-queue with its own. The first item that fails fails the request (the others
+``max_batch_size x instances`` of its items in the model at once (enough to
+fill every instance's batch), and at most ``batching.max_queue_size``, so a
+request of many items never fills the queue with its own. The first item that fails fails the request (the others
 are withdrawn), with that item's error.
 
 The body (:mod:`aserve.frontends.http.embedding_request`) is checked whole
@@ -157,7 +157,10 @@ async def _embed_all(
                 {config.input: arr}, size, key, timeout_s, None, None, arrival=arrival
             )
 
-    window = min(len(items), max(1, runtime.max_batch_size * runtime.config.instances))
+    # Enough to fill every instance's batch, and never more than the queue holds: a
+    # request's own items alone must not find it full.
+    fill = runtime.max_batch_size * runtime.config.instances
+    window = min(len(items), max(1, min(fill, runtime.config.batching.max_queue_size)))
     if window == 1:
         await worker()
         return results
