@@ -19,13 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import numpy as np
 import openai
 import orjson
 import pytest
 from conftest import HANDLERS, ServerProcess, spec, start_server, write_config
 from helpers import stats, wait_for_stats
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from reload_helpers import copy_handler
+
+from aserve.frontends.http.openai_fields import EMBEDDING_FIELDS
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -462,3 +467,50 @@ def test_a_request_never_fills_the_queue_with_its_own_items(client: openai.OpenA
     out = client.embeddings.create(model="emb-q1", input=texts, encoding_format="float")
     for d, text in zip(out.data, texts, strict=True):
         np.testing.assert_allclose(d.embedding, _want(text), atol=1e-6)
+
+
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=False, allow_infinity=False), st.text("ab é\u4e00 ", max_size=12),
+)  # fmt: skip
+_JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=5), max_leaves=30)
+_TEXT = st.text("ab é\u4e00 ", min_size=1, max_size=12)
+_IDS = st.lists(st.integers(0, 996), min_size=1, max_size=8)
+_INPUTS = st.one_of(
+    _TEXT, st.lists(_TEXT, min_size=1, max_size=5), _IDS, st.lists(_IDS, min_size=1, max_size=4),
+    _JSON,
+)  # fmt: skip
+_BODIES = st.fixed_dictionaries(
+    {
+        "model": st.one_of(st.sampled_from(["emb", "emb-ids", "emb-torch"]),
+                           st.sampled_from(["plain", "nope", "", 3])),
+        "input": _INPUTS,
+    },
+    optional={
+        "encoding_format": st.sampled_from(["float", "base64", "bf16", 1, None]),
+        "dimensions": st.one_of(st.sampled_from([4, 8, DIM, 5, 0, -1]), _SCALARS),
+        "user": st.one_of(_TEXT, _SCALARS),
+        "timeout_ms": st.one_of(st.integers(1000, 60_000), _SCALARS),
+    },
+).flatmap(lambda body: st.sampled_from([body, {**body, "n": 1}]))  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))  # fmt: skip
+@given(body=_BODIES)
+def test_any_body_is_answered_or_refused_by_name(srv: ServerProcess, body: dict) -> None:
+    """Whatever JSON a client sends: 200 with one embedding per item, or a refusal
+    in OpenAI's shape (400, 404, 413) naming a field; never a 500."""
+    with httpx.Client(timeout=30) as http:
+        r = http.post(srv.base + "/v1/embeddings", content=orjson.dumps(body))
+    doc = r.json()
+    if r.status_code == 200:
+        value = body["input"]
+        count = 1 if isinstance(value, str) or isinstance(value[0], int) else len(value)
+        assert len(doc["data"]) == count, (body, doc)
+        assert [d["index"] for d in doc["data"]] == list(range(count))
+        return
+    assert r.status_code in (400, 404, 413), (body, r.status_code, doc)
+    err = doc["error"]
+    assert isinstance(err["message"], str) and err["message"], doc
+    assert err["param"] in (*EMBEDDING_FIELDS, "n"), (body, doc)
