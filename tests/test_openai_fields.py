@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from aserve.frontends.http.openai_fields import FIELDS, MESSAGE_FIELDS, Field
+from aserve.frontends.http.openai_fields import EMBEDDING_FIELDS, FIELDS, MESSAGE_FIELDS, Field
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "openai.md"
 ROW = re.compile(
@@ -48,6 +48,25 @@ def test_the_page_lists_every_field_as_the_code_treats_it() -> None:
             assert all(field.allows(v) for v in listed), name
         elif field.kind == "accepted":
             assert values == "a string, `null`" and field.allows("s") and not field.allows(1), name
+
+
+def test_the_page_lists_every_embeddings_field_as_the_code_treats_it() -> None:
+    rows = {}
+    row = re.compile(ROW.pattern.replace("(both|chat|completions)", "(embeddings)"))
+    for line in PAGE.read_text(encoding="utf-8").splitlines():
+        if m := row.match(line):
+            name, _, kind, note, values = m.groups()
+            assert name not in rows, f"{name} is listed twice"
+            rows[name] = (kind, note, values)
+    assert sorted(rows) == sorted(EMBEDDING_FIELDS)
+    for name, field in EMBEDDING_FIELDS.items():
+        kind, note, values = rows[name]
+        assert (kind, note) == (field.kind, field.note), name
+        assert field.routes == {"embeddings"}, name
+        if field.kind == "accepted":
+            assert values == "a string, `null`" and field.allows("s") and not field.allows(1), name
+        else:
+            assert field.kind == "honoured" and values == "its bounds", name
 
 
 def test_a_value_that_asks_for_something_is_not_taken_for_one_that_does_not() -> None:

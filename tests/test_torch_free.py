@@ -72,6 +72,7 @@ LAYERS = [
 # the step executors must not pull the decoder engine (torch) in with it.
 FRONTENDS = [
     "aserve.frontends.http.openai",
+    "aserve.frontends.http.embeddings",
     "aserve.frontends.http.generate",
     "aserve.frontends.grpc.generate",
 ]

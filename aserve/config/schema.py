@@ -487,6 +487,110 @@ _NO_PATH_ENGINES = ("python", "pipeline")
 _PROCESS_ENGINES = ("torch", "python")
 
 
+_EMBEDDING_OUTPUTS = ("FP16", "FP32", "FP64")
+_TOKEN_INPUTS = ("INT32", "INT64")
+
+
+class EmbeddingsConfig(_Frozen):
+    """A model that embeds text, served on OpenAI's ``POST /v1/embeddings``.
+
+    Each item of a request's ``input`` is one request to the model, of batch
+    size 1, through its batcher (so items batch with other clients' items):
+    the model has this one input, either ``BYTES`` ``[1]`` (one text; the
+    model tokenizes it) or ``INT32``/``INT64`` ``[-1]`` (token ids; a request
+    sending text to it is refused, as one sending token ids to a text model
+    is). Its ``output`` is the embedding, a float vector of fixed size.
+    """
+
+    input: Annotated[str, Field(pattern=_NAME)]
+    """The model's input an item goes to (its only one): ``BYTES`` ``[1]`` for
+    text, ``INT32`` or ``INT64`` ``[-1]`` for token ids."""
+    output: Annotated[str, Field(pattern=_NAME)]
+    """The output that is the embedding: ``FP16``, ``FP32`` or ``FP64`` of one
+    fixed dimension ``[D]``, answered as float32."""
+    dimensions: list[Annotated[int, Field(ge=1)]] = []
+    """The sizes a request's ``dimensions`` may ask for, each at most ``D``:
+    the embedding's first that many values, L2-normalised again (for a model
+    trained so that its leading values embed on their own, as Matryoshka
+    models are). Empty: only ``D`` itself."""
+    token_count_output: Annotated[str | None, Field(pattern=_NAME)] = None
+    """An ``INT32``/``INT64`` ``[1]`` output holding how many tokens the model
+    made of the item, for ``usage``; without it a token list counts its ids and
+    a text its UTF-8 bytes."""
+    max_inputs: Annotated[int, Field(ge=1, le=65536)] = 2048
+    """The most items one request's ``input`` may hold (OpenAI's limit is 2048);
+    more is a 400."""
+    max_input_bytes: Annotated[int, Field(ge=1)] = 65536
+    """The longest text one item may be, in UTF-8 bytes; longer is a 413."""
+    max_input_tokens: Annotated[int, Field(ge=1)] = 8192
+    """The most token ids one item may hold; more is a 413."""
+
+    @field_validator("dimensions")
+    @classmethod
+    def _distinct(cls, sizes: list[int]) -> list[int]:
+        if len(set(sizes)) != len(sizes):
+            raise ValueError(f"each size once (got {sizes})")
+        return sorted(sizes)
+
+
+class OpenAIConfig(_Frozen):
+    """How a model of tensors is offered on the OpenAI-compatible API (a decoder
+    model is offered on completions and chat completions without it)."""
+
+    embeddings: EmbeddingsConfig | None = None
+    """Serve it on ``/v1/embeddings`` (and list it on ``/v1/models``)."""
+
+
+def _check_embeddings(m: ModelConfig, e: EmbeddingsConfig) -> None:
+    """The model's tensors are what ``openai.embeddings`` says they are."""
+    where = "openai.embeddings"
+    if m.engine == "decoder" or m.decoupled:
+        kind = "a decoder" if m.engine == "decoder" else "a decoupled model"
+        raise ValueError(f"{where}: {kind} does not embed (one answer of tensors per input)")
+    if m.sequence_batching is not None:
+        raise ValueError(
+            f"{where}: a sequence-batched model keeps state per sequence; an embedding "
+            "request names none (remove sequence_batching)"
+        )
+    if not (m.inputs and m.outputs):
+        raise ValueError(f"inputs, outputs: list them for a model with {where}")
+    if [s.name for s in m.inputs] != [e.input]:
+        names = ", ".join(s.name for s in m.inputs)
+        raise ValueError(
+            f"{where}.input: '{e.input}' must be the model's only input (its inputs: {names}); "
+            "each item of a request is sent to it alone"
+        )
+    spec = m.inputs[0]
+    text = spec.datatype == "BYTES" and spec.shape == [1]
+    tokens = spec.datatype in _TOKEN_INPUTS and spec.shape == [-1]
+    if not (text or tokens):
+        raise ValueError(
+            f"{where}.input: '{e.input}' is {spec.datatype} {spec.shape}; an embedding input is "
+            "BYTES [1] (one text) or INT32/INT64 [-1] (token ids)"
+        )
+    outputs = {s.name: s for s in m.outputs}
+    out = outputs.get(e.output)
+    if out is None:
+        raise ValueError(f"{where}.output: the model has no output '{e.output}'")
+    if out.datatype not in _EMBEDDING_OUTPUTS or len(out.shape) != 1 or out.shape[0] < 1:
+        raise ValueError(
+            f"{where}.output: '{e.output}' is {out.datatype} {out.shape}; an embedding is "
+            "FP16, FP32 or FP64 of one fixed dimension [D]"
+        )
+    size = out.shape[0]
+    if e.dimensions and e.dimensions[-1] > size:
+        raise ValueError(
+            f"{where}.dimensions: {e.dimensions[-1]} is more than the embedding's {size} values"
+        )
+    if e.token_count_output is not None:
+        count = outputs.get(e.token_count_output)
+        if count is None or count.datatype not in _TOKEN_INPUTS or count.shape != [1]:
+            raise ValueError(
+                f"{where}.token_count_output: '{e.token_count_output}' must be an INT32 or "
+                "INT64 [1] output of the model"
+            )
+
+
 class ModelConfig(_Frozen):
     """One served model version.
 
@@ -549,6 +653,9 @@ class ModelConfig(_Frozen):
     sequence_batching: SequenceBatchingConfig | None = None
     """Serve the model's requests as sequences of a stateful model (None: each
     request on its own)."""
+    openai: OpenAIConfig = OpenAIConfig()
+    """How the model is offered on the OpenAI-compatible API
+    (``embeddings``: on ``/v1/embeddings``)."""
 
     @field_validator("inputs", "outputs")
     @classmethod
@@ -636,6 +743,8 @@ class ModelConfig(_Frozen):
             )
         if self.decoupled:
             _check_decoupled(self)
+        if self.openai.embeddings is not None:
+            _check_embeddings(self, self.openai.embeddings)
         _check_accelerator_fields(self)
         if self.sequence_batching is not None:
             _check_sequence_batching(self, self.sequence_batching)

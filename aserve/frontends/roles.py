@@ -52,6 +52,7 @@ HTTP_ROUTES: Final[Mapping[str, Role]] = {
     "/v1/models/{model}": _I,
     "/v1/completions": _I,
     "/v1/chat/completions": _I,
+    "/v1/embeddings": _I,
     "/predictions/{model}": _I,
     "/predictions/{model}/{version}": _I,
     "/metrics": _I,

@@ -245,6 +245,8 @@ def _aserve(ctx: Context, workload: str, variant: str) -> Plan:
             "inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1]}],
             "outputs": [{"name": "EMBEDDING", "datatype": "FP32", "shape": [384]}],
             "batching": batching,
+            # Also served on OpenAI's /v1/embeddings (the bench itself sends V2 /infer).
+            "openai": {"embeddings": {"input": "TEXT", "output": "EMBEDDING"}},
         }  # fmt: skip
     config = {"http": {"host": "127.0.0.1", "port": port}, "models": [model]}
     cfg = folder / "aserve.json"

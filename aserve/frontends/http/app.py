@@ -45,6 +45,7 @@ from aserve.frontends.http.auth import http_middleware, server_ssl_context
 from aserve.frontends.http.bodies import BodyBudget, SpooledBody, read_back, read_spooled
 from aserve.frontends.http.dashboard import add_dashboard_routes
 from aserve.frontends.http.drain import IdleCloser, take_queued
+from aserve.frontends.http.embeddings import add_embedding_routes
 from aserve.frontends.http.generate import add_generate_routes
 from aserve.frontends.http.kit import (
     ARRIVAL_KEY,
@@ -359,6 +360,7 @@ class HttpFrontend:
         )
         add_generate_routes(kit, ctx)  # Triton's generate extension
         add_openai_routes(kit, ctx)
+        add_embedding_routes(kit, ctx)  # OpenAI's /v1/embeddings
         add_admin_routes(kit, ctx)
         add_shared_memory_routes(kit, ctx)  # Triton's shared memory extensions
         add_prediction_routes(kit, ctx)

@@ -1,4 +1,8 @@
-"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions.
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions
+(and /v1/embeddings: :mod:`aserve.frontends.http.embeddings`).
+
+``/v1/models`` lists the decoder models and the models whose config has
+``openai.embeddings``.
 
 Handlers run on the loop. Every check that can fail (the body, each field,
 the model, tokenizing the prompt, admission) runs before the first byte, and
@@ -53,6 +57,7 @@ from aiohttp import web
 from aserve.codecs.timeouts import parameter_timeout_s
 from aserve.errors import AserveError, ErrorCode, InvalidArgument, NotFound
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
+from aserve.frontends.http.embedding_request import embedding_config
 from aserve.frontends.http.kit import (
     ARRIVAL_KEY,
     RUNTIME_KEY,
@@ -70,7 +75,7 @@ from aserve.frontends.http.openai_logprobs import Strings, chat_logprobs, comple
 from aserve.frontends.http.stream import DONE, json_stream
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.prompt_size import check_prompt_size
-from aserve.loop.runtimes.base import Generator
+from aserve.loop.runtimes.base import Generator, Runtime
 from aserve.loop.runtimes.generation import (
     generation_body_limit,
     generation_runtime,
@@ -165,24 +170,22 @@ class OpenAIApi:
 
     # --- models -----------------------------------------------------------------
 
-    def _models(self) -> dict[str, Generator]:
-        latest: dict[str, Generator] = {}
+    def _models(self) -> dict[str, Runtime]:
+        """The decoder models and the models that embed, each at its highest version."""
+        latest: dict[str, Runtime] = {}
         for rt in self._ctx.registry:
-            if isinstance(rt, Generator):
+            if isinstance(rt, Generator) or embedding_config(rt) is not None:
                 have = latest.get(rt.name)
                 if have is None or int(rt.version) > int(have.version):
                     latest[rt.name] = rt
         return latest
 
     @staticmethod
-    def _model_doc(rt: Generator) -> dict[str, Any]:
-        return {
-            "id": rt.name,
-            "object": "model",
-            "created": rt.created,
-            "owned_by": "aserve",
-            "max_model_len": rt.generation.max_model_len,
-        }
+    def _model_doc(rt: Runtime) -> dict[str, Any]:
+        doc = {"id": rt.name, "object": "model", "created": rt.created, "owned_by": "aserve"}
+        if isinstance(rt, Generator):
+            doc["max_model_len"] = rt.generation.max_model_len
+        return doc
 
     async def list_models(self, request: web.Request) -> web.Response:
         models = sorted(self._models().items())

@@ -23,10 +23,11 @@ from typing import Any, Literal
 
 from aserve.errors import InvalidArgument
 
-Route = Literal["chat", "completions"]
+Route = Literal["chat", "completions", "embeddings"]
 CHAT: frozenset[Route] = frozenset({"chat"})
 COMPLETIONS: frozenset[Route] = frozenset({"completions"})
 BOTH: frozenset[Route] = CHAT | COMPLETIONS
+EMBEDDINGS: frozenset[Route] = frozenset({"embeddings"})
 
 
 class FieldError(InvalidArgument):
@@ -137,6 +138,17 @@ STREAM_OPTIONS: dict[str, Field] = {
     "include_obfuscation": _refused(BOTH, "obfuscation is not added", False),
 }
 
+# The fields of /v1/embeddings: a table of its own, since its model, user and
+# timeout_ms rows say what they do there.
+EMBEDDING_FIELDS: dict[str, Field] = {
+    "model": Field(EMBEDDINGS, "honoured", "a model from /v1/models that embeds"),
+    "input": Field(EMBEDDINGS, "honoured", "a string, token ids, or a list of either"),
+    "encoding_format": Field(EMBEDDINGS, "honoured", "float (the default) or base64"),
+    "dimensions": Field(EMBEDDINGS, "honoured", "a size the model's config allows"),
+    "timeout_ms": Field(EMBEDDINGS, "honoured", "aserve's: the request's deadline"),
+    "user": Field(EMBEDDINGS, "accepted", "a string naming the caller; no embedding depends on it"),
+}
+
 
 def check_fields(body: Mapping[str, Any], route: Route) -> None:
     """Refuse a field of ``body`` that ``route`` does not honour or accept as sent."""
@@ -168,3 +180,9 @@ def _check(
     if not rule.allows(value):
         # reprlib: a few items of a long value, at a cost that does not grow with it.
         raise FieldError(param, f"{label}: {rule.note} (got {reprlib.repr(value)})")
+
+
+def check_embedding_fields(body: Mapping[str, Any]) -> None:
+    """Refuse a field of a ``/v1/embeddings`` body that its table does not honour or accept."""
+    for name, value in body.items():
+        _check(EMBEDDING_FIELDS, "embeddings", name, value, name, name, "field of /v1/embeddings")

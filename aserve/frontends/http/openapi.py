@@ -163,6 +163,12 @@ _SCHEMAS: dict[str, Any] = {
         "description": "OpenAI's completions / chat completions request (its fields: docs/reference/openai.md)",
         "properties": {"model": {"type": "string"}, "stream": {"type": "boolean"}},
     },
+    "OpenAIEmbeddingRequest": {
+        "type": "object",
+        "required": ["model", "input"],
+        "description": "OpenAI's embeddings request (its fields: docs/reference/openai.md)",
+        "properties": {"model": {"type": "string"}, "encoding_format": {"type": "string"}},
+    },
 }
 
 
@@ -260,9 +266,9 @@ def build_document() -> dict[str, Any]:
             "parameters": _version_params(False),
         },
         **_shared_memory_paths(),
-        "/v1/models": {"get": _op("OpenAI: the decoder models")},
+        "/v1/models": {"get": _op("OpenAI: the decoder models and the models that embed")},
         "/v1/models/{model}": {
-            "get": _op("OpenAI: one decoder model", errors=(404,)),
+            "get": _op("OpenAI: one decoder or embedding model", errors=(404,)),
             "parameters": _version_params(False),
         },
         "/v1/completions": {
@@ -277,6 +283,13 @@ def build_document() -> dict[str, Any]:
                 "OpenAI chat completions (SSE when stream; NDJSON with Accept: "
                 "application/x-ndjson)",
                 body=_ref("OpenAIRequest"),
+                errors=_INFER_ERRORS,
+            ),
+        },
+        "/v1/embeddings": {
+            "post": _op(
+                "OpenAI embeddings, of a model whose config has openai.embeddings",
+                body=_ref("OpenAIEmbeddingRequest"),
                 errors=_INFER_ERRORS,
             ),
         },

@@ -96,6 +96,8 @@ class Runtime(abc.ABC):
         self.state = ModelState.LOADING
         self.stats = ModelStats(config.name, config.version)
         self.default_timeout_s = self.timeout_of(config)
+        # When it was made, in seconds since the epoch (OpenAI's ``created``, on /v1/models).
+        self.created = int(time.time())
         self._base_dir = base_dir
         # What the load is doing now, for the reason of a load that timed out.
         self.load_step = "starting"
