@@ -205,18 +205,39 @@ async def test_unknown_model_is_404(aclient: openai.AsyncOpenAI) -> None:
     assert exc.value.code == "model_not_found" and exc.value.param == "model"
 
 
-async def test_failure_after_the_stream_started_is_an_error_event(
-    aclient: openai.AsyncOpenAI, decoder_server: ServerProcess
-) -> None:
-    # A 1 ms deadline expires after the response has started: the error
-    # travels in the stream and the SDK raises it while iterating.
-    stream = await aclient.completions.create(
+@pytest.fixture(scope="module")
+def one_slot_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from gen_helpers import start_gpt2_server
+
+    server = start_gpt2_server(tmp_path_factory, "one-slot", max_num_seqs=1)
+    yield server
+    server.stop()
+
+
+async def test_failure_after_the_stream_started_is_an_error_event(one_slot_server: Any) -> None:
+    """A request whose deadline passes while it waits for a slot, after its
+    stream has started: the error travels in the stream and the SDK raises it
+    while iterating. The only slot is held by a generation whose step process
+    is stopped, so the wait outlasts the deadline on a machine of any speed."""
+    from helpers import frozen
+
+    base = one_slot_server.base
+    aclient = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+    holder = await aclient.completions.create(
         model="gpt2", prompt="Hello", max_tokens=120, stream=True,
-        extra_body={"ignore_eos": True}, extra_headers={"aserve-timeout-ms": "1"},
+        extra_body={"ignore_eos": True},
     )  # fmt: skip
-    with pytest.raises(openai.APIError, match="timed out"):
-        async for _ in stream:
-            pass
+    await holder.__anext__()  # it runs: the one slot is taken
+    (child,) = one_slot_server.spawned_children()
+    with frozen(child.pid):
+        stream = await aclient.completions.create(
+            model="gpt2", prompt="Hello", max_tokens=4, stream=True,
+            extra_headers={"aserve-timeout-ms": "1500"},
+        )  # fmt: skip
+        with pytest.raises(openai.APIError, match="timed out"):
+            async for _ in stream:
+                pass
+    await holder.close()
     # Before it started, the same failure is a status: 504, not retried.
     with pytest.raises(openai.InternalServerError) as exc:
         await aclient.completions.create(
@@ -225,8 +246,9 @@ async def test_failure_after_the_stream_started_is_an_error_event(
         )  # fmt: skip
     assert exc.value.status_code == 504 and exc.value.type == "timeout_error"
     async with aiohttp.ClientSession() as session:
-        s = await wait_gen(session, decoder_server.base, "gpt2", idle)
+        s = await wait_gen(session, base, "gpt2", idle)
         assert s["timed_out"] >= 2
+    await aclient.close()
 
 
 async def test_raw_sse_framing(decoder_server: ServerProcess) -> None:

@@ -313,6 +313,7 @@ class ContinuousBatcher:
         self._by_seq: dict[Any, GenerationRequest] = {}
         self._step_soon = False
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # when it fires (the clock's time), while it is armed
         self._closed = False
         # Observability (the model's statistics).
         self.steps = 0
@@ -468,9 +469,20 @@ class ContinuousBatcher:
         ``call_soon`` coalesces the arrivals parsed in one pass of the loop,
         so they are admitted (and prefilled) together.
         """
-        if self._in_flight is None and not self._step_soon and not self._closed:
+        if self._in_flight is not None:
+            self._watch_waiting()  # a new arrival's deadline may come first
+        elif not self._step_soon and not self._closed:
             self._step_soon = True
             self._loop.call_soon(self._form_step)
+
+    def _watch_waiting(self) -> None:
+        """While a step runs, a timer for the earliest deadline of the waiting
+        requests: a step that takes long (a long prefill, a step process held
+        up) must not keep them past their deadlines, which the next plan would
+        otherwise be the first to see."""
+        at = self._waiting.earliest_deadline()
+        if at is not None and (self._timer is None or at < self._timer_at):
+            self._arm_timer(at)
 
     def _form_step(self) -> None:
         self._step_soon = False
@@ -541,6 +553,7 @@ class ContinuousBatcher:
         job = _Step(new, decode, free, self._on_step_done)
         self._in_flight = job
         self._executor.submit(job)
+        self._watch_waiting()
 
     def _goes_on(self, decode: list[GenerationRequest]) -> bool:
         """Whether decoding ``decode`` (and nothing else) needs no step submitted:
@@ -673,6 +686,7 @@ class ContinuousBatcher:
     def _arm_timer(self, wake_at: float | None) -> None:
         self._disarm_timer()
         if wake_at is not None:
+            self._timer_at = wake_at
             self._timer = self._loop.call_later(max(0.0, wake_at - self._clock()), self._on_timer)
 
     def _disarm_timer(self) -> None:
@@ -682,7 +696,16 @@ class ContinuousBatcher:
 
     def _on_timer(self) -> None:
         self._timer = None
-        self._kick()
+        if self._in_flight is None:
+            self._kick()
+            return
+        now = self._clock()
+        for w in self._waiting.expire(now):
+            self._time_out(w, (
+                f"generation timed out after {(now - w.arrival) * 1e3:.0f} ms waiting for a "
+                f"slot of '{self.label}'"
+            ))  # fmt: skip
+        self._watch_waiting()
 
     def fail_running(self, error: BaseException) -> None:
         """The engine lost every started sequence (its step process died):

@@ -23,6 +23,7 @@ keys and answers its outputs (:mod:`aserve.frontends.http.generate_responses`).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -30,17 +31,16 @@ from aiohttp import web
 
 from aserve.codecs.sampling import sampling_from_parameters
 from aserve.codecs.validate import request_timeout
-from aserve.errors import AserveError, ErrorCode, InvalidArgument
+from aserve.errors import AserveError, InvalidArgument
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline, usage
 from aserve.frontends.http.generate_responses import GenerateResponses
 from aserve.frontends.http.kit import (
     ARRIVAL_KEY,
     RUNTIME_KEY,
-    STATUS_KEY,
     RouteKit,
     error_response,
 )
-from aserve.frontends.http.stream import json_stream
+from aserve.frontends.http.stream import send_all
 from aserve.loop.prompt_size import body_limit
 from aserve.loop.runtimes.base import Decoupled
 from aserve.loop.runtimes.generation import generation_runtime, parameter_priority
@@ -148,26 +148,25 @@ class TritonGenerate:
             req, head, prefix = await self._start(request)
         except AserveError as exc:
             return error_response(exc)
-        sse = json_stream(request)
-        async with req:
-            try:
-                await sse.start()
-                async for delta in req:
-                    if not (delta.text or prefix or delta.finished):
-                        continue
-                    doc = {**head, "text_output": prefix + delta.text}
-                    prefix = ""
-                    if delta.finished:
-                        doc["finish_reason"] = delta.finish_reason
-                        doc["usage"] = usage(delta)
-                    await sse.send(doc)
-                return await sse.finish()
-            except AserveError as exc:
-                request[STATUS_KEY] = exc.code.value
-                return await sse.fail({"error": exc.message})
-            except ConnectionError:
-                request[STATUS_KEY] = ErrorCode.CANCELLED.value
-                return sse.response  # the client went away; leaving cancels the sequence
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            text_prefix = prefix
+            async for delta in req:
+                if not (delta.text or text_prefix or delta.finished):
+                    continue
+                doc = {**head, "text_output": text_prefix + delta.text}
+                text_prefix = ""
+                if delta.finished:
+                    doc["finish_reason"] = delta.finish_reason
+                    doc["usage"] = usage(delta)
+                yield doc
+
+        async with req:  # leaving it (the end, an error, the client gone) cancels the sequence
+            return await send_all(request, events(), _error)
+
+
+def _error(exc: AserveError) -> dict[str, str]:
+    return {"error": exc.message}
 
 
 def add_generate_routes(kit: RouteKit, ctx: FrontendContext) -> None:

@@ -20,14 +20,14 @@ from aiohttp import web
 
 from aserve.codecs.generate_tensors import generate_inputs, generate_outputs
 from aserve.codecs.validate import request_timeout
-from aserve.errors import AserveError, ErrorCode, InvalidArgument
+from aserve.errors import AserveError, InvalidArgument
 from aserve.frontends.common import TIMEOUT_HEADER, resolve_deadline
-from aserve.frontends.http.kit import ARRIVAL_KEY, RUNTIME_KEY, STATUS_KEY, error_response
-from aserve.frontends.http.stream import json_stream
+from aserve.frontends.http.kit import ARRIVAL_KEY, RUNTIME_KEY, error_response
+from aserve.frontends.http.stream import send_all
 from aserve.loop.runtimes.base import Decoupled
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
     from aserve.frontends.context import FrontendContext
     from aserve.loop.runtimes.decoupled import ResponseStream
@@ -94,16 +94,10 @@ class GenerateResponses:
             stream, head = await self._start(request)
         except AserveError as exc:
             return error_response(exc)
-        sse = json_stream(request)
-        async with stream:
-            try:
-                await sse.start()
-                async for outputs in stream:
-                    await sse.send({**head, **generate_outputs(outputs)})
-                return await sse.finish()
-            except AserveError as exc:
-                request[STATUS_KEY] = exc.code.value
-                return await sse.fail({"error": exc.message})
-            except ConnectionError:
-                request[STATUS_KEY] = ErrorCode.CANCELLED.value
-                return sse.response  # the client went away; leaving closes the generator
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            async for outputs in stream:
+                yield {**head, **generate_outputs(outputs)}
+
+        async with stream:  # leaving it (the end, an error, the client gone) closes the generator
+            return await send_all(request, events(), lambda exc: {"error": exc.message})

@@ -61,7 +61,6 @@ from aserve.frontends.http.embedding_request import embedding_config
 from aserve.frontends.http.kit import (
     ARRIVAL_KEY,
     RUNTIME_KEY,
-    STATUS_KEY,
     RouteKit,
     json_response,
 )
@@ -72,7 +71,7 @@ from aserve.frontends.http.openai_fields import (
     check_stream_options,
 )
 from aserve.frontends.http.openai_logprobs import Strings, chat_logprobs, completion_logprobs
-from aserve.frontends.http.stream import DONE, json_stream
+from aserve.frontends.http.stream import DONE, send_all
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.prompt_size import check_prompt_size
 from aserve.loop.runtimes.base import Generator, Runtime
@@ -428,35 +427,28 @@ async def _stream(
                       "finish_reason": reason}  # fmt: skip
         return {**head, "choices": [choice]}
 
-    sse = json_stream(request, DONE)
-    lasts: list[Delta | None] = [None] * len(reqs)
-    try:
-        await sse.start()
+    async def chunks() -> AsyncIterator[dict[str, Any]]:
+        lasts: list[Delta | None] = [None] * len(reqs)
         if chat:
             for index in range(len(reqs)):
                 first = chunk(index, "", None)
                 first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                await sse.send(first)
+                yield first
         async for index, delta in _deltas(reqs):
             lasts[index] = delta
             # Tokens whose text is held back still send their log probabilities.
             tokens = strings is not None and bool(delta.token_ids)
             if chat:
                 if delta.text or tokens:
-                    await sse.send(chunk(index, delta.text, None, delta))
+                    yield chunk(index, delta.text, None, delta)
                 if delta.finished:
-                    await sse.send(chunk(index, None, delta.finish_reason))
+                    yield chunk(index, None, delta.finish_reason)
             elif delta.text or delta.finished or tokens:
-                await sse.send(chunk(index, delta.text, delta.finish_reason, delta))
+                yield chunk(index, delta.text, delta.finish_reason, delta)
         if include_usage:
-            await sse.send({**head, "choices": [], "usage": _usage(lasts)})
-        return await sse.finish()
-    except AserveError as exc:
-        request[STATUS_KEY] = exc.code.value
-        return await sse.fail(error_doc(exc))
-    except ConnectionError:
-        request[STATUS_KEY] = ErrorCode.CANCELLED.value
-        return sse.response  # the client went away; leaving cancels the sequences
+            yield {**head, "choices": [], "usage": _usage(lasts)}
+
+    return await send_all(request, chunks(), error_doc, DONE)
 
 
 # --- request parsing -------------------------------------------------------------------

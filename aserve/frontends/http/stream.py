@@ -24,13 +24,14 @@ write), and leaving the handler cancels the generation.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, Final
 
 import orjson
 from aiohttp import web
 
-from aserve.frontends.http.kit import REQUEST_ID_KEY
+from aserve.errors import AserveError, ErrorCode
+from aserve.frontends.http.kit import REQUEST_ID_KEY, STATUS_KEY
 from aserve.obs.logs import REQUEST_ID_HEADER
 
 DONE: Final = b"data: [DONE]\n\n"
@@ -112,6 +113,40 @@ def json_stream(request: web.Request, sse_sentinel: bytes = b"") -> JsonStream:
     if accept and NDJSON in accept and wants_ndjson(accept):
         return JsonStream(request, NDJSON_HEADERS, line)
     return JsonStream(request, SSE_HEADERS, event, sse_sentinel)
+
+
+async def send_all(
+    request: web.Request,
+    docs: AsyncIterator[Any],
+    error_doc: Callable[[AserveError], Any],
+    sse_sentinel: bytes = b"",
+) -> web.StreamResponse:
+    """Stream every message of ``docs`` (:func:`json_stream`'s framing), then end.
+
+    An :class:`AserveError` from ``docs`` ends the stream with ``error_doc(exc)``
+    and its code in ``request[STATUS_KEY]`` (the status was 200 already); a
+    client that went away (``ConnectionError`` from a write) ends it with the
+    code ``cancelled``. The caller's ``async with`` around this cancels its
+    generation either way.
+    """
+    stream = json_stream(request, sse_sentinel)
+    try:
+        await stream.start()
+        async for doc in docs:
+            await stream.send(doc)
+        return await stream.finish()
+    except AserveError as exc:
+        request[STATUS_KEY] = exc.code.value
+        return await stream.fail(error_doc(exc))
+    except ConnectionError:
+        request[STATUS_KEY] = ErrorCode.CANCELLED.value
+        return stream.response
+    finally:
+        # Closed here, not when collected: what it holds (readers of several
+        # choices) ends before the caller's generation is cancelled.
+        close = getattr(docs, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def wants_ndjson(accept: str | None) -> bool:
