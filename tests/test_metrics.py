@@ -183,8 +183,8 @@ def test_generation_metrics(decoder_server: ServerProcess) -> None:
     ))  # fmt: skip
     chat_usage = chunks[-1].usage
     assert chat_usage is not None
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="gpt2", prompt="Hello", max_tokens=8, n=2)
+    with pytest.raises(openai.BadRequestError):  # n over max_num_seqs: counted as a 400
+        client.completions.create(model="gpt2", prompt="Hello", max_tokens=8, n=99)
     req = urllib.request.Request(
         base + "/v2/models/gpt2/generate",
         data=orjson.dumps({"text_input": "Hi", "max_tokens": 4}),
