@@ -176,7 +176,7 @@ def test_max_tokens_ends_with_length_and_ignore_eos(client: openai.OpenAI) -> No
             "tools",
             "not supported",
         ),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format", "'text'"),
+        ("chat", {"response_format": {"type": "json"}}, "response_format", "'json_object'"),
         ("chat", {"top_p": 0}, "top_p", "(0, 1]"),
     ],
 )
@@ -271,7 +271,7 @@ REFUSED_CHAT: list[tuple[str, Any]] = [
 ]  # fmt: skip
 REFUSED_COMPLETIONS: list[tuple[str, Any]] = [
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
+    ("response_format", {"type": "xml"}), ("tool_choice", "auto"),
     ("suffix", "x"),
     ("max_completion_tokens", 4), ("messages", CHAT_MESSAGES),  # chat's, not completions'
 ]  # fmt: skip

@@ -71,6 +71,7 @@ from aserve.frontends.http.openai_fields import (
     check_message_fields,
     check_stream_options,
 )
+from aserve.frontends.http.openai_format import response_schema
 from aserve.frontends.http.openai_logprobs import Strings, chat_logprobs, completion_logprobs
 from aserve.frontends.http.stream import DONE, json_stream
 from aserve.frontends.status import HTTP_STATUS
@@ -542,6 +543,8 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
             raise FieldError("best_of", "best_of: more than n cannot be streamed")
         if out.best_of > out.n and kw["logprobs"] is None:
             kw["logprobs"] = 0  # best_of ranks the choices by their tokens' log probabilities
+    if (fmt := body.get("response_format")) is not None:  # off the common path's walk
+        kw["json_schema"] = response_schema(fmt)
     out.params = SamplingParams(**kw)
     try:
         out.priority = request_priority(body.get("priority"))

@@ -221,7 +221,11 @@ class GenerationRuntime(Generator):
         # taken from the running streams. generate() checks again.
         size = check_prompt_size(self.generation, prompt, messages)
         own_template = messages is not None and self._engine.tokenizer.has_chat_template
-        inline = size <= _INLINE_PROMPT_BYTES and not own_template
+        # A schema not compiled yet is compiled off the loop (about a millisecond
+        # for a few fields, more for large ones); one in the cache costs a lookup.
+        schema = params.json_schema
+        fresh = schema is not None and not self._engine.grammars.is_compiled(schema)
+        inline = size <= _INLINE_PROMPT_BYTES and not own_template and not fresh
         if self.batcher is not None:
             # What waits for the template thread counts as queued: else a line of
             # chats whose templates run to their bound grew behind it without limit.
