@@ -173,7 +173,7 @@ def test_max_tokens_ends_with_length_and_ignore_eos(client: openai.OpenAI) -> No
         (
             "chat",
             {"tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
+            "tool_choice",
             "not supported",
         ),
         ("chat", {"response_format": {"type": "json"}}, "response_format", "'json_object'"),
