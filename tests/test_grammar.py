@@ -194,3 +194,25 @@ def test_a_sentencepiece_vocabulary_gets_its_tokens_bytes(
         _run(llama, [s])
         assert s.finish_reason == "stop"
         assert json.loads(llama.tokenizer.decode(s.output_ids)) in schema["enum"]
+
+
+def test_a_grammar_its_vocabulary_cannot_spell_fails_its_sequence_alone(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # The tiny llama has no '{': its object's sequence fails on its own, and a
+    # free sequence of the same step goes on.
+    folder = lm_models.tiny_model("llama", tmp_path_factory.getbasetemp() / "lms")
+    llama = _engine(folder)
+    held = llama.new_sequence("held", "Hi", SamplingParams(seed=1, json_schema=json.dumps(SCHEMA)))
+    free = llama.new_sequence("free", "Hi", SamplingParams(seed=1, max_tokens=5))
+    outputs = llama.step([held, free], [])
+    while not (held.finished or outputs[0].finished):
+        outputs = llama.step([], [held, free])
+    failed = outputs[0]
+    assert failed.request_id == "held" and failed.finished and failed.error is not None
+    assert "grammar" in failed.error and held.slot is None
+    assert not free.finished or free.finish_reason == "length"
+    while not free.finished:
+        (out,) = llama.step([], [free])
+        assert out.error is None
+    assert len(free.output_ids) == 5
