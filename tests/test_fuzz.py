@@ -808,7 +808,7 @@ CHAT_BAD: dict[str, st.SearchStrategy[Any]] = {
     "tools": TRUTHY,
     "tool_choice": ANY_SET.filter(lambda v: v != "none"),
     "response_format": ANY_SET.filter(
-        lambda v: not (isinstance(v, dict) and v.get("type") == "text")
+        lambda v: not (isinstance(v, dict) and v in ({"type": "text"}, {"type": "json_object"}))
     ),
 }  # fmt: skip
 COMPLETION_BAD: dict[str, st.SearchStrategy[Any]] = {

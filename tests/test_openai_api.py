@@ -173,10 +173,10 @@ def test_max_tokens_ends_with_length_and_ignore_eos(client: openai.OpenAI) -> No
         (
             "chat",
             {"tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
+            "tool_choice",
             "not supported",
         ),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format", "'text'"),
+        ("chat", {"response_format": {"type": "json"}}, "response_format", "'json_object'"),
         ("chat", {"top_p": 0}, "top_p", "(0, 1]"),
     ],
 )
@@ -247,7 +247,9 @@ async def test_failure_after_the_stream_started_is_an_error_event(one_slot_serve
     assert exc.value.status_code == 504 and exc.value.type == "timeout_error"
     async with aiohttp.ClientSession() as session:
         s = await wait_gen(session, base, "gpt2", idle)
-        assert s["timed_out"] >= 2
+        # The one that waited for the slot; the 1 ms one is counted too unless it was
+        # refused on arrival, which depends on how fast the machine reached it.
+        assert s["timed_out"] >= 1
     await aclient.close()
 
 
@@ -293,7 +295,7 @@ REFUSED_CHAT: list[tuple[str, Any]] = [
 ]  # fmt: skip
 REFUSED_COMPLETIONS: list[tuple[str, Any]] = [
     ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("response_format", {"type": "json_object"}), ("tool_choice", "auto"),
+    ("response_format", {"type": "xml"}), ("tool_choice", "auto"),
     ("suffix", "x"),
     ("max_completion_tokens", 4), ("messages", CHAT_MESSAGES),  # chat's, not completions'
 ]  # fmt: skip

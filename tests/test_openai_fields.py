@@ -8,7 +8,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-from aserve.frontends.http.openai_fields import EMBEDDING_FIELDS, FIELDS, MESSAGE_FIELDS, Field
+import pytest
+
+from aserve.frontends.http.openai_fields import (
+    EMBEDDING_FIELDS,
+    FIELDS,
+    MESSAGE_FIELDS,
+    Field,
+    FieldError,
+)
+from aserve.frontends.http.openai_format import response_schema
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "openai.md"
 ROW = re.compile(
@@ -74,5 +83,9 @@ def test_a_value_that_asks_for_something_is_not_taken_for_one_that_does_not() ->
     assert not FIELDS["store"].allows(0) and FIELDS["store"].allows(False)
     assert FIELDS["service_tier"].allows("auto") and not FIELDS["service_tier"].allows("flex")
     assert not FIELDS["echo"].allows(0) and FIELDS["echo"].allows(False)
-    assert not FIELDS["tools"].allows([{"type": "function"}]) and FIELDS["tools"].allows([])
-    assert not FIELDS["response_format"].allows({"type": "text", "x": 1})
+    assert not FIELDS["parallel_tool_calls"].allows(0) and FIELDS["parallel_tool_calls"].allows(
+        True
+    )
+    # response_format is honoured: its own check refuses a key it does not know.
+    with pytest.raises(FieldError, match="unknown key 'x'"):
+        response_schema({"type": "text", "x": 1})

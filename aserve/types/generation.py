@@ -61,6 +61,13 @@ class SamplingParams:
     logits as they came, before the settings above changed them (vLLM's
     default).
 
+    ``json_schema`` (None: free text) is a JSON Schema, as JSON text, that the
+    output must match: structured output. Each token is drawn from those the
+    schema's grammar allows next (after the settings above; min_tokens does
+    not hold back the grammar's end), and the sequence ends ("stop") when the
+    grammar is complete. Cut short by max_tokens, it ends with "length" and
+    may not parse.
+
     These are the engine's own bounds (what its tensors and the step wire can
     carry); the narrower bounds a request is held to at the edge are
     :func:`sampling_settings`'.
@@ -80,6 +87,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -109,6 +117,8 @@ class SamplingParams:
             raise InvalidArgument(
                 f"logprobs must be from 0 to {MAX_LOGPROBS} alternatives (got {self.logprobs})"
             )
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise InvalidArgument("json_schema must be JSON text")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidArgument(
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"

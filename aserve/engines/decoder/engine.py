@@ -32,6 +32,7 @@ import torch
 
 from aserve.config import GenerationConfig
 from aserve.engines.decoder.checkpoint import check_folder
+from aserve.engines.decoder.grammar import Grammars, GrammarStepError
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel, resolve_dtype
 from aserve.engines.decoder.sampling import make_generator, sample, token_logprobs
@@ -64,6 +65,7 @@ class DecoderEngine:
         self._spec: ModelSpec | None = None
         self._tokenizer: Tokenizer | None = None
         self._cache: KVCache | None = None
+        self._grammars: Grammars | None = None
 
     # --- lifecycle --------------------------------------------------------------
 
@@ -81,6 +83,7 @@ class DecoderEngine:
         cache = model.new_cache(gen.max_num_seqs, gen.max_model_len)
         self._model, self._tokenizer, self._cache = model, tokenizer, cache
         self._spec = model.spec
+        self._grammars = Grammars(tokenizer, model.spec.vocab_size, self.cpu_threads)
         self._warm_up()
         log.info(
             "loaded %s (%s, %d layers) on %s: KV cache %d x %d tokens, %.1f MiB",
@@ -101,6 +104,7 @@ class DecoderEngine:
         limits = self.generation.checkpoint_limits
         self._tokenizer = Tokenizer.load(self.model_path, limits)
         self._spec = check_folder(self.model_path, limits)
+        self._grammars = Grammars(self._tokenizer, self._spec.vocab_size)
 
     def create_instance(self, index: int) -> None:
         """Per-thread settings; call on the executor thread before the first step."""
@@ -114,7 +118,9 @@ class DecoderEngine:
         back to the system (glibc keeps what is freed otherwise: a 150 MiB
         tokenizer.json left 260-330 MiB in the server after its model was
         removed; ``bench/decoder_memory.py``)."""
-        self._model = self._tokenizer = self._cache = self._spec = None
+        if self._grammars is not None:
+            self._grammars.close()
+        self._model = self._tokenizer = self._cache = self._spec = self._grammars = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         release_freed_memory()
@@ -136,6 +142,13 @@ class DecoderEngine:
         if self._tokenizer is None:
             raise RuntimeError("the decoder engine is not loaded")
         return self._tokenizer
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's schemas and masks."""
+        if self._grammars is None:
+            raise RuntimeError("the decoder engine is not loaded")
+        return self._grammars
 
     @property
     def cache(self) -> KVCache:
@@ -160,7 +173,9 @@ class DecoderEngine:
         chat. Raises :class:`InvalidArgument` (``SequenceTooLong`` among
         them) naming the field and the limit. ``max_tokens`` over the cap is
         refused; one that would run past ``max_model_len`` is shortened, and
-        the sequence then ends with finish reason "length".
+        the sequence then ends with finish reason "length". A ``json_schema``
+        is compiled here (or found compiled: :meth:`Grammars.compile`), and
+        one the grammar engine refuses raises ``GrammarError``.
         """
         tok, gen = self.tokenizer, self.generation
         ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -191,6 +206,8 @@ class DecoderEngine:
             raise InvalidArgument(
                 f"max_tokens: {wanted} is over this model's limit ({gen.max_tokens_cap})"
             )
+        if params.json_schema is not None:
+            self.grammars.compile(params.json_schema)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= tok.eos_token_ids
@@ -224,6 +241,8 @@ class DecoderEngine:
         seq.generator = make_generator(seq.params.seed)
         seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_ids)
         seq.stop = StopMatcher(seq.params.stop)
+        if seq.params.json_schema is not None:
+            seq.grammar = self.grammars.matcher(seq.params.json_schema)
 
     # --- the step -------------------------------------------------------------------
 
@@ -277,7 +296,11 @@ class DecoderEngine:
         cache, model = self.cache, self.model
         for s in new:
             s.slot = cache.alloc()
+        seqs = new + running
+        masks = None
         try:
+            # The grammars' masks are filled on a helper thread while the model runs.
+            masks = self.grammars.start(seqs)
             parts = []
             if new:
                 parts.append(self._prefill(new))
@@ -290,13 +313,14 @@ class DecoderEngine:
                         [s.num_tokens - 1 for s in running],
                     )
                 )
-            seqs = new + running
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-            tokens = sample(logits, seqs)
+            tokens = sample(logits, seqs, masks.wait() if masks is not None else None)
             for s, logprob in zip(seqs, token_logprobs(logits, tokens, seqs), strict=True):
                 s.step_logprob = logprob
             return tokens
         except BaseException:
+            if masks is not None:
+                masks.settle()
             for s in new:
                 self.free(s)
             raise
@@ -368,6 +392,11 @@ class DecoderEngine:
 
     def _append(self, seq: Sequence, token: int) -> StepOutput:
         seq.output_ids.append(token)
+        complete = False  # the sequence's grammar has nothing more to take
+        if seq.grammar is not None and token not in seq.stop_token_ids:
+            if not seq.grammar.consume_token(token):
+                raise GrammarStepError(f"the grammar refused token {token}")
+            complete = seq.grammar.is_stopped()
         if token in seq.stop_token_ids:
             text = self._release(seq)
             if seq.finish_reason is None:
@@ -377,6 +406,10 @@ class DecoderEngine:
             text, matched = seq.stop.push(seq.detokenizer.push(token), armed)
             if matched:
                 seq.finish_reason, seq.stop_reason = "stop", seq.stop.matched
+            elif complete:
+                text += self._release(seq)
+                if seq.finish_reason is None:
+                    seq.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.max_tokens:
                 text += self._release(seq)
                 if seq.finish_reason is None:

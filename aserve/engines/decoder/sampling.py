@@ -7,6 +7,9 @@ filtering (temperature, top-k, top-p) is vectorized over the batch, and so
 is what comes before it (:func:`adjust_logits`: min_tokens, logit_bias and
 the penalties, in vLLM's order), for the rows that ask for any: one scatter
 per kind over the tokens those rows hold, never a loop over the vocabulary.
+After those, a grammar's mask (structured output,
+:mod:`aserve.engines.decoder.grammar`) sets the tokens it leaves out to -inf,
+and no such token is ever drawn.
 The settings themselves (:class:`~aserve.types.generation.SamplingParams`)
 are torch-free types the frontends build.
 """
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from aserve.engines.decoder.grammar import Allowed
     from aserve.engines.decoder.sequence import Sequence as EngineSequence
     from aserve.types.generation import TokenLogprob
 
@@ -70,7 +74,11 @@ def adjust_logits(logits: torch.Tensor, seqs: Sequence[EngineSequence]) -> torch
     tokens) and the frequency and presence penalties (on the output's).
     The same tensor when no row asks for any; otherwise a float copy."""
     vocab = logits.shape[-1]
-    early = [i for i, s in enumerate(seqs) if len(s.output_ids) < s.params.min_tokens]
+    # A grammar decides where its output ends: min_tokens does not hold that back.
+    early = [
+        i for i, s in enumerate(seqs)
+        if len(s.output_ids) < s.params.min_tokens and s.grammar is None
+    ]  # fmt: skip
     adjusted = [i for i, s in enumerate(seqs) if s.params.adjusts_logits]
     if not early and not adjusted:
         return logits
@@ -131,11 +139,30 @@ def adjust_logits(logits: torch.Tensor, seqs: Sequence[EngineSequence]) -> torch
     return out
 
 
+def mask_logits(logits: torch.Tensor, allowed: Allowed, copy: bool) -> torch.Tensor:
+    """``logits`` with the tokens each constrained row's mask leaves out at -inf
+    (a float copy when ``copy``: the model's own logits stay as they came)."""
+    rows, masks = allowed
+    out = logits.float().clone() if copy else logits
+    sel = torch.tensor(rows, device=out.device)
+    width = min(out.shape[-1], masks.shape[-1])
+    keep = torch.zeros(len(rows), out.shape[-1], dtype=torch.bool, device=out.device)
+    keep[:, :width] = masks[:, :width].to(out.device)
+    out[sel] = out[sel].masked_fill(~keep, float("-inf"))
+    return out
+
+
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: Sequence[EngineSequence]) -> list[int]:
+def sample(
+    logits: torch.Tensor, seqs: Sequence[EngineSequence], allowed: Allowed | None = None
+) -> list[int]:
     """One token per row of ``logits`` (n, vocab), by each row's sequence: its
-    settings (:func:`adjust_logits` first) and its own generator."""
-    logits = adjust_logits(logits, seqs)
+    settings (:func:`adjust_logits` first), then its grammar's mask when
+    ``allowed`` holds one for its row, and its own generator."""
+    adjusted = adjust_logits(logits, seqs)
+    if allowed is not None:
+        adjusted = mask_logits(adjusted, allowed, copy=adjusted is logits)
+    logits = adjusted
     params = [s.params for s in seqs]
     generators = [s.generator for s in seqs]
     n = logits.shape[0]
@@ -159,7 +186,22 @@ def sample(logits: torch.Tensor, seqs: Sequence[EngineSequence]) -> list[int]:
         target = (u * cdf[:, -1]).unsqueeze(-1)
         pick = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
         tokens[sel] = ids.gather(1, pick).squeeze(-1)
+    if allowed is not None:
+        _keep_allowed(logits, tokens, allowed)
     return tokens.tolist()
+
+
+def _keep_allowed(logits: torch.Tensor, tokens: torch.Tensor, allowed: Allowed) -> None:
+    """Where a constrained row drew a token its mask leaves out (the inverse
+    CDF's last index, reached only by rounding), its most likely allowed one."""
+    rows, masks = allowed
+    sel = torch.tensor(rows, device=tokens.device)
+    picked = tokens[sel].clamp(max=masks.shape[-1] - 1).cpu()
+    ok = masks.gather(1, picked[:, None]).squeeze(1) & (tokens[sel].cpu() < masks.shape[-1])
+    if bool(ok.all()):
+        return
+    bad = sel[~ok.to(sel.device)]
+    tokens[bad] = logits[bad].argmax(dim=-1)
 
 
 @torch.inference_mode()

@@ -9,12 +9,16 @@ never the sequence itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from aserve.engines.decoder.detokenizer import IncrementalDetokenizer
 from aserve.engines.decoder.stop import StopMatcher
 from aserve.types.generation import FinishReason, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 @dataclass(eq=False)
@@ -29,6 +33,9 @@ class Sequence:
     generator: torch.Generator = field(init=False, repr=False)
     detokenizer: IncrementalDetokenizer = field(init=False, repr=False)
     stop: StopMatcher = field(init=False, repr=False)
+    # The matcher of the sequence's json_schema (None: free text), advanced by
+    # each token it takes.
+    grammar: llguidance.LLMatcher | None = field(init=False, default=None, repr=False)
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # KV-cache slot while running
     finish_reason: FinishReason | None = None

@@ -70,7 +70,9 @@ from aserve.frontends.http.openai_fields import (
     check_message_fields,
     check_stream_options,
 )
+from aserve.frontends.http.openai_format import PARAM, response_schema
 from aserve.frontends.http.openai_logprobs import Strings, chat_logprobs, completion_logprobs
+from aserve.frontends.http.openai_tools import ToolPlan, tool_call, tool_plan
 from aserve.frontends.http.stream import DONE, send_all
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.prompt_size import check_prompt_size
@@ -226,9 +228,14 @@ class OpenAIApi:
             try:
                 seq = await runtime.prepare(
                     parsed.params, prompt=parsed.prompt, messages=parsed.messages,
-                    priority=parsed.priority,
+                    priority=parsed.priority, tools=parsed.tools,
                 )  # fmt: skip
             except InvalidArgument as exc:
+                # A tool's parameters the grammar engine refuses: the engine names
+                # response_format, whose schema it compiles; the request gave tools.
+                if parsed.tool_plan is not None and getattr(exc, "param", None) == PARAM:
+                    rest = exc.message.removeprefix(PARAM + ": ")
+                    raise FieldError("tools", f"tools: a tool's parameters: {rest}") from None
                 # The engine names the limit max_tokens; the request may have named it otherwise.
                 if parsed.limit_field != "max_tokens" and exc.message.startswith("max_tokens"):
                     rest = exc.message.removeprefix("max_tokens")
@@ -275,8 +282,10 @@ class OpenAIApi:
             for r in reqs:
                 await stack.enter_async_context(r)  # leaving cancels every choice
             if not parsed.stream:
-                return await _whole(reqs, head, chat, strings, parsed.n)
-            return await _stream(request, reqs, head, chat, parsed.include_usage, strings)
+                return await _whole(reqs, head, chat, strings, parsed.n, parsed.tool_plan)
+            return await _stream(
+                request, reqs, head, chat, parsed.include_usage, strings, parsed.tool_plan
+            )
 
 
 async def _deltas(reqs: list[GenerationRequest]) -> AsyncIterator[tuple[int, Delta]]:
@@ -358,6 +367,7 @@ async def _whole(
     chat: bool,
     strings: Strings | None,
     n: int,
+    plan: ToolPlan | None = None,
 ) -> web.Response:
     got = [_Choice() for _ in reqs]
     try:
@@ -373,7 +383,11 @@ async def _whole(
         reason = c.last.finish_reason if c.last else None
         lp = _logprobs(chat, c.ids, c.logprobs, strings)
         if chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if plan is not None and reason == "stop":  # the grammar is complete: a call
+                message = {"role": "assistant", "content": None,
+                           "tool_calls": [tool_call(plan, text)]}  # fmt: skip
+                reason = "tool_calls"
             choices.append(
                 {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
             )
@@ -404,6 +418,7 @@ async def _stream(
     chat: bool,
     include_usage: bool,
     strings: Strings | None = None,
+    plan: ToolPlan | None = None,
 ) -> web.StreamResponse:
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     if include_usage:
@@ -427,6 +442,9 @@ async def _stream(
                       "finish_reason": reason}  # fmt: skip
         return {**head, "choices": [choice]}
 
+    # A tool call's text is held until the call is complete, then sent as one.
+    calls: list[list[str]] | None = [[] for _ in reqs] if chat and plan is not None else None
+
     async def chunks() -> AsyncIterator[dict[str, Any]]:
         lasts: list[Delta | None] = [None] * len(reqs)
         if chat:
@@ -438,7 +456,21 @@ async def _stream(
             lasts[index] = delta
             # Tokens whose text is held back still send their log probabilities.
             tokens = strings is not None and bool(delta.token_ids)
-            if chat:
+            if calls is not None and plan is not None:
+                calls[index].append(delta.text)
+                if delta.finished:
+                    text, reason = "".join(calls[index]), delta.finish_reason
+                    if reason == "stop":
+                        call = chunk(index, None, None)
+                        call["choices"][0]["delta"] = {"tool_calls": [
+                            {"index": 0, **tool_call(plan, text)}
+                        ]}  # fmt: skip
+                        yield call
+                        reason = "tool_calls"
+                    else:
+                        yield chunk(index, text, None, delta)
+                    yield chunk(index, None, reason)
+            elif chat:
                 if delta.text or tokens:
                     yield chunk(index, delta.text, None, delta)
                 if delta.finished:
@@ -457,7 +489,7 @@ async def _stream(
 class _Parsed:
     __slots__ = (
         "best_of", "include_usage", "limit_field", "logprobs_asked", "messages", "n", "params",
-        "priority", "prompt", "stream", "timeout_s",
+        "priority", "prompt", "stream", "timeout_s", "tool_plan", "tools",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -472,6 +504,8 @@ class _Parsed:
         self.n = 1  # choices answered
         self.best_of: int | None = None  # completions: choices generated, the n best kept
         self.logprobs_asked = False  # the answer shows log probabilities
+        self.tool_plan: ToolPlan | None = None  # chat: the tool call to generate
+        self.tools: list[dict[str, Any]] | None = None  # chat: given to the template
 
 
 def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
@@ -534,6 +568,16 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
             raise FieldError("best_of", "best_of: more than n cannot be streamed")
         if out.best_of > out.n and kw["logprobs"] is None:
             kw["logprobs"] = 0  # best_of ranks the choices by their tokens' log probabilities
+    if (fmt := body.get("response_format")) is not None:  # off the common path's walk
+        kw["json_schema"] = response_schema(fmt)
+    if chat and (body.get("tools") or body.get("tool_choice") is not None):
+        out.tool_plan, out.tools = tool_plan(body.get("tools"), body.get("tool_choice"))
+        if out.tool_plan is not None:
+            if kw.get("json_schema") is not None:
+                raise FieldError(
+                    "response_format", "response_format: give it or a tool_choice, not both"
+                )
+            kw["json_schema"] = out.tool_plan.schema
     out.params = SamplingParams(**kw)
     try:
         out.priority = request_priority(body.get("priority"))

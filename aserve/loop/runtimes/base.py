@@ -343,8 +343,10 @@ class Generator(Runtime):
         client_id: str | None = None,
         *,
         priority: int = 0,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> EngineSequence:
-        """Tokenize ``prompt`` (or render ``messages``) and validate the request;
+        """Tokenize ``prompt`` (or render ``messages``, with ``tools`` given to
+        the chat template) and validate the request;
         refusals (InvalidArgument, TooLarge, QueueFull, Unavailable) raise here,
         before anything is queued. ``priority`` (vLLM's, lower first) decides
         whether a full queue has room for it."""

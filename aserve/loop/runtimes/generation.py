@@ -198,9 +198,11 @@ class GenerationRuntime(Generator):
         client_id: str | None = None,
         *,
         priority: int = 0,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> EngineSequence:
-        """Tokenize ``prompt`` (or render ``messages`` with the chat template) and
-        validate the request; :class:`InvalidArgument` names what is wrong.
+        """Tokenize ``prompt`` (or render ``messages`` with the chat template,
+        given ``tools`` when there are) and validate the request;
+        :class:`InvalidArgument` names what is wrong.
 
         Nothing is queued yet, but a full queue refuses here already
         (QueueFull), before any per-token work, unless it holds one less urgent
@@ -221,27 +223,37 @@ class GenerationRuntime(Generator):
         # taken from the running streams. generate() checks again.
         size = check_prompt_size(self.generation, prompt, messages)
         own_template = messages is not None and self._engine.tokenizer.has_chat_template
-        inline = size <= _INLINE_PROMPT_BYTES and not own_template
+        # A schema not compiled yet is compiled off the loop (about a millisecond
+        # for a few fields, more for large ones); one in the cache costs a lookup.
+        schema = params.json_schema
+        fresh = schema is not None and not self._engine.grammars.is_compiled(schema)
+        inline = size <= _INLINE_PROMPT_BYTES and not own_template and not fresh
         if self.batcher is not None:
             # What waits for the template thread counts as queued: else a line of
             # chats whose templates run to their bound grew behind it without limit.
             self.batcher.check_room(0 if inline else self._preparing, priority)
         if inline:
-            return self._prepare(params, prompt, messages, client_id)
+            return self._prepare(params, prompt, messages, client_id, tools=tools)
         self._preparing += 1  # busy: a drain waits for it to be queued
         try:
             if messages is None:
                 return await asyncio.to_thread(self._prepare, params, prompt, None, client_id, True)
-            return await self._prepare_chat_off_loop(params, messages, client_id)
+            return await self._prepare_chat_off_loop(params, messages, client_id, tools)
         finally:
             self._preparing -= 1
 
     async def _prepare_chat_off_loop(
-        self, params: SamplingParams, messages: Sequence[Mapping[str, Any]], client_id: str | None
+        self,
+        params: SamplingParams,
+        messages: Sequence[Mapping[str, Any]],
+        client_id: str | None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> EngineSequence:
         assert self._template_thread is not None and self._new_budget is not None
         budget = self._new_budget()
-        render = functools.partial(self._prepare, params, None, messages, client_id, True, budget)
+        render = functools.partial(
+            self._prepare, params, None, messages, client_id, True, budget, tools=tools
+        )
         self._renders.add(budget)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._template_thread, render)
@@ -259,12 +271,14 @@ class GenerationRuntime(Generator):
         client_id: str | None,
         off_loop: bool = False,
         budget: RenderBudget | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> EngineSequence:
         assert self._engine is not None and self._new_budget is not None
         tok = self._engine.tokenizer
         if messages is not None:
+            extra = {} if tools is None else {"tools": list(tools)}  # as transformers gives them
             text = tok.apply_chat_template(
-                messages, add_generation_prompt=True, budget=budget or self._new_budget()
+                messages, add_generation_prompt=True, budget=budget or self._new_budget(), **extra
             )
             # A model's own template writes its special tokens (BOS); the
             # plain default format has none, so the tokenizer adds them.
