@@ -319,6 +319,9 @@ class ContinuousBatcher:
         self.ahead_steps = 0  # steps the executor ran on its own
         self.generated_tokens = 0
         self.prompt_tokens = 0
+        # Finished sequences whose prompt began with a prefix-cache hit, and its tokens.
+        self.prefix_cache_hits = 0
+        self.cached_prompt_tokens = 0
         self.step_batch_sizes: dict[int, int] = {}
 
     # --- state seen by others -------------------------------------------------
@@ -606,6 +609,9 @@ class ContinuousBatcher:
                     del self._running[req.id]
                     stats.success.add(int((now - req.arrival) * 1e9))
                     self.prompt_tokens += out.prompt_tokens
+                    if out.cached_tokens:
+                        self.prefix_cache_hits += 1
+                        self.cached_prompt_tokens += out.cached_tokens
             n = len(job.outputs)
             if n:
                 self.steps += 1
@@ -717,5 +723,7 @@ class ContinuousBatcher:
             "ahead_step_count": self.ahead_steps,
             "generated_tokens": self.generated_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "step_batch_sizes": {str(k): v for k, v in sorted(self.step_batch_sizes.items())},
         }

@@ -309,6 +309,8 @@ class StepOutput:
     error_code: str = "internal"
     # The token's log probability and alternatives, when the request asked for them.
     logprob: TokenLogprob | None = None
+    # Prompt tokens whose K/V came from the prefix cache (not prefilled).
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -330,3 +332,5 @@ class Delta:
     finished: bool
     # One per token of ``token_ids``, when the request asked for log probabilities.
     logprobs: list[TokenLogprob] | None = None
+    # Prompt tokens whose K/V came from the prefix cache (usage's cached_tokens).
+    cached_tokens: int = 0

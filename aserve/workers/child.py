@@ -286,6 +286,7 @@ def _serve_steps(
                     out.error,
                     out.error_code,
                     out.logprob,
+                    out.cached_tokens,
                 )
             )
         active = still

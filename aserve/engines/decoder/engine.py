@@ -34,6 +34,7 @@ from aserve.config import GenerationConfig
 from aserve.engines.decoder.checkpoint import check_folder
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel, resolve_dtype
+from aserve.engines.decoder.prefix_cache import PrefixCache
 from aserve.engines.decoder.sampling import make_generator, sample, token_logprobs
 from aserve.engines.decoder.sequence import Sequence
 from aserve.engines.decoder.spec import ModelSpec
@@ -64,6 +65,7 @@ class DecoderEngine:
         self._spec: ModelSpec | None = None
         self._tokenizer: Tokenizer | None = None
         self._cache: KVCache | None = None
+        self._prefix: PrefixCache | None = None  # None: prefix caching is off
 
     # --- lifecycle --------------------------------------------------------------
 
@@ -82,6 +84,8 @@ class DecoderEngine:
         self._model, self._tokenizer, self._cache = model, tokenizer, cache
         self._spec = model.spec
         self._warm_up()
+        if gen.prefix_caching:
+            self._prefix = PrefixCache(gen.max_num_seqs, gen.prefix_block_tokens)
         log.info(
             "loaded %s (%s, %d layers) on %s: KV cache %d x %d tokens, %.1f MiB",
             self.model_path,
@@ -114,7 +118,7 @@ class DecoderEngine:
         back to the system (glibc keeps what is freed otherwise: a 150 MiB
         tokenizer.json left 260-330 MiB in the server after its model was
         removed; ``bench/decoder_memory.py``)."""
-        self._model = self._tokenizer = self._cache = self._spec = None
+        self._model = self._tokenizer = self._cache = self._spec = self._prefix = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         release_freed_memory()
@@ -275,8 +279,6 @@ class DecoderEngine:
         """Run the model and sample one token per sequence; on failure the new
         sequences' slots are given back and the running ones are unchanged."""
         cache, model = self.cache, self.model
-        for s in new:
-            s.slot = cache.alloc()
         try:
             parts = []
             if new:
@@ -298,14 +300,21 @@ class DecoderEngine:
             return tokens
         except BaseException:
             for s in new:
-                self.free(s)
+                self.free(s, holds=0)  # what its slot holds now is not known
             raise
 
     def _prefill(self, new: list[Sequence]) -> torch.Tensor:
-        """The new sequences' prompts, each distinct one prefilled once: a sequence
-        whose prompt another of this step has (the choices of a request with
-        ``n`` > 1, or two clients' equal prompts) gets a copy of that one's KV
-        and its logits row. Returns one logits row per sequence, in order."""
+        """Give the new sequences their slots and prefill their prompts.
+
+        Each distinct prompt is prefilled once: a sequence whose prompt
+        another of this step has (the choices of a request with ``n`` > 1, or
+        two clients' equal prompts) gets a copy of that one's KV and its
+        logits row. With prefix caching, a prompt starts after the longest
+        cached prefix the prefix cache finds (:mod:`.prefix_cache`): every
+        copy of a prefix is made before the model runs, while its source
+        positions are still as recorded. Returns one logits row per
+        sequence, in order."""
+        cache, prefix = self.cache, self._prefix
         first: dict[tuple[int, ...], int] = {}
         owners: list[Sequence] = []  # the first sequence of each distinct prompt
         rows: list[int] = []  # each sequence's row among the owners'
@@ -315,18 +324,34 @@ class DecoderEngine:
             if row is None:
                 row = first[key] = len(owners)
                 owners.append(s)
+                if prefix is not None:
+                    place = prefix.place(s.prompt_ids)
+                    s.slot, s.cached_tokens = cache.alloc(place.slot), place.cached
+                    if place.copy_from is not None:
+                        cache.copy(place.copy_from, place.slot, place.cached)
+                    rows.append(row)
+                    continue
+            elif prefix is not None:
+                s.cached_tokens = owners[row].cached_tokens
+                s.slot = cache.alloc(prefix.place(()).slot)
+                rows.append(row)
+                continue
+            s.slot = cache.alloc()
             rows.append(row)
         logits = self.model.prefill(
-            self.cache,
-            [s.slot for s in owners],
-            [s.prompt_ids for s in owners],  # type: ignore[misc]
+            cache,
+            [s.slot for s in owners],  # type: ignore[misc]
+            [s.prompt_ids[s.cached_tokens :] for s in owners],
+            [s.cached_tokens for s in owners],
         )
-        if len(owners) == len(new):
-            return logits
         for s, row in zip(new, rows, strict=True):
             owner = owners[row]
             if s is not owner:
-                self.cache.copy(owner.slot, s.slot, len(s.prompt_ids))  # type: ignore[arg-type]
+                cache.copy(owner.slot, s.slot, len(s.prompt_ids))  # type: ignore[arg-type]
+            if prefix is not None:
+                prefix.filled(s.slot, s.prompt_ids)  # type: ignore[arg-type]
+        if len(owners) == len(new):
+            return logits
         return logits[torch.tensor(rows, device=logits.device)]
 
     def _alone(self, seq: Sequence, is_new: bool) -> StepOutput:
@@ -345,7 +370,7 @@ class DecoderEngine:
             return self._failed(seq, exc)
 
     def _failed(self, seq: Sequence, exc: Exception) -> StepOutput:
-        self.free(seq)
+        self.free(seq, holds=0)
         log.warning("sequence '%s' failed on its own: %r", seq.request_id, exc)
         code = exc.code.value if isinstance(exc, AserveError) else "internal"
         return StepOutput(
@@ -358,11 +383,19 @@ class DecoderEngine:
             seq.completion_tokens,
             error=f"{type(exc).__name__}: {exc}",
             error_code=code,
+            cached_tokens=seq.cached_tokens,
         )
 
-    def free(self, seq: Sequence) -> None:
-        """Return a sequence's slot (a cancelled one, or after a failed step); idempotent."""
+    def free(self, seq: Sequence, holds: int | None = None) -> None:
+        """Return a sequence's slot (a cancelled one, or after a failed step); idempotent.
+
+        The prefix cache keeps what the slot holds: the K/V of the sequence's
+        first ``holds`` tokens, by default every token fed so far (all but
+        the last generated, which no step has fed yet)."""
         if seq.slot is not None:
+            if self._prefix is not None:
+                n = seq.num_tokens - 1 if holds is None else holds
+                self._prefix.release(seq.slot, (seq.prompt_ids + seq.output_ids)[:n])
             self.cache.free(seq.slot)
             seq.slot = None
 
@@ -392,6 +425,7 @@ class DecoderEngine:
             seq.prompt_tokens,
             seq.completion_tokens,
             logprob=seq.step_logprob,
+            cached_tokens=seq.cached_tokens,
         )
 
     def _release(self, seq: Sequence) -> str:

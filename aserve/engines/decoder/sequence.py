@@ -31,6 +31,7 @@ class Sequence:
     stop: StopMatcher = field(init=False, repr=False)
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # KV-cache slot while running
+    cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache gave it
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     # The last sampled token's log probability and alternatives, if asked for.
