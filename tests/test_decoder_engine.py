@@ -55,10 +55,12 @@ def drive(
     engine: DecoderEngine,
     arrivals: list[tuple[int, Sequence]],
     cancel_at: dict[str, int] | None = None,
+    running: list[Sequence] | None = None,
 ) -> dict[str, list[StepOutput]]:
     """A minimal continuous batcher: admit arrived sequences while slots are free,
-    drop cancelled ones between steps, step until everything has finished."""
-    pending, running = list(arrivals), []
+    drop cancelled ones between steps, step until everything has finished
+    (``running``: sequences already started)."""
+    pending, running = list(arrivals), list(running or [])
     outputs: dict[str, list[StepOutput]] = defaultdict(list)
     cancel_at = cancel_at or {}
     for step in range(500):
@@ -476,3 +478,66 @@ def test_a_failed_step_forgets_what_its_slots_held(llama_dir: Path) -> None:
     engine.model.prefill = prefill  # type: ignore[method-assign]
     (again,) = greedy(engine, ref, [base])
     assert again.cached_tokens == 0
+
+
+# --- chunked prefill ------------------------------------------------------------
+
+
+def test_chunked_prefill_equals_transformers_and_decodes_go_on(lm_dir: Path) -> None:
+    """With at most 7 tokens a step, long prompts are prefilled in chunks
+    (ending on and off the prefix cache's blocks of 4) while the running
+    sequences get a token every step; everyone generates exactly what
+    transformers does, a prompt cached in part included."""
+    engine = make_engine(lm_dir, max_num_batched_tokens=7, prefix_block_tokens=4)
+    ref = lm_models.load_reference(lm_dir)
+    base = engine.tokenizer.encode(LONG)[:30]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    short = engine.new_sequence("short", engine.tokenizer.encode("Hello"), params)
+    engine.step([short])  # one token of prompt (and a token out): under the budget
+    assert not short.prefilling and len(short.output_ids) == 1
+    long_a = engine.new_sequence("a", base, params)
+    long_b = engine.new_sequence("b", base[:17] + engine.tokenizer.encode(" Yes"), params)
+    running, steps = [short], 0
+    new = [long_a, long_b]
+    while long_a.prefilling or long_b.prefilling or new:
+        outs = engine.step(new, running)
+        steps += 1
+        running = [s for s in new + running if not s.finished]
+        new = []
+        assert not short.finished or len(short.output_ids) == 10
+        by_id = {o.request_id: o for o in outs}
+        if not short.finished:
+            assert not by_id["short"].prefilling and by_id["short"].token_id >= 0
+        for s in (long_a, long_b):
+            assert by_id[s.request_id].prefilling == s.prefilling
+    # First admitted first: "a" (30 tokens) in 5 steps of 6 (7 less short's decode),
+    # then "b" (18) in steps of 5 (a decodes too): 4 more. Short's 10 tokens outlast them.
+    assert steps == 5 + -(-len(long_b.prompt_ids) // 5) < 10
+    drive(engine, [], running=running)
+    for seq in (short, long_a, long_b):
+        assert seq.output_ids == reference(ref, seq.prompt_ids, 10), seq.request_id
+    # A prompt cached in part, its rest in chunks.
+    c = engine.new_sequence("c", base[:20] + engine.tokenizer.encode(" and then"), params)
+    drive(engine, [(0, c)])
+    assert c.cached_tokens == 20
+    assert c.output_ids == reference(ref, c.prompt_ids, 10)
+
+
+def test_chunked_prefill_of_equal_prompts(llama_dir: Path) -> None:
+    """Equal prompts admitted together whose prefill takes several steps are
+    each prefilled on their own, and each generates what it would alone."""
+    engine = make_engine(llama_dir, max_num_batched_tokens=5, prefix_caching=False)
+    ref = lm_models.load_reference(llama_dir)
+    prompt = engine.tokenizer.encode(LONG)[:23]
+    seqs = [
+        engine.new_sequence(
+            f"n{i}", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        )
+        for i in range(3)
+    ]
+    outputs = drive(engine, [(0, s) for s in seqs])
+    want = reference(ref, prompt, 6)
+    for s in seqs:
+        assert s.output_ids == want
+        assert [o.token_id for o in outputs[s.request_id] if not o.prefilling] == want
+        assert sum(o.prefilling for o in outputs[s.request_id]) >= 4

@@ -397,6 +397,14 @@ class GenerationConfig(_Frozen):
     max_prefill_tokens: Annotated[int, Field(ge=1)] = 2048
     """Prompt tokens one step may prefill. The first sequence a step admits
     is admitted whatever its length, so a long prompt is never starved."""
+    max_num_batched_tokens: Annotated[int | None, Field(ge=1)] = None
+    """Chunked prefill: most tokens one engine step feeds, each running
+    sequence's decode one and prompt tokens the rest (at least one). A prompt
+    that does not fit is prefilled over several steps while the running
+    sequences go on decoding, so a long prompt delays their next tokens by
+    about one chunk's prefill instead of its whole prefill; the long prompt's
+    own first token comes later. None (the default): every admitted prompt is
+    prefilled whole in the step that admits it."""
     max_queue_size: Annotated[int, Field(ge=1)] = 256
     """Sequences waiting for a KV-cache slot; past it a request is refused (429)."""
     prefix_caching: bool = True

@@ -596,6 +596,8 @@ class ContinuousBatcher:
                 if out.error is not None:  # this member failed alone; the others go on
                     self._end(req, _member_error(self.label, out))
                     continue
+                if out.prefilling:  # a chunk of its prompt ran; no token for the reader yet
+                    continue
                 req.channel.push(out)
                 # One token per sequence per step: the first after the request
                 # arrived, the others after the previous step that gave one.
@@ -612,7 +614,7 @@ class ContinuousBatcher:
                     if out.cached_tokens:
                         self.prefix_cache_hits += 1
                         self.cached_prompt_tokens += out.cached_tokens
-            n = len(job.outputs)
+            n = sum(not o.prefilling for o in job.outputs)
             if n:
                 self.steps += 1
                 self.generated_tokens += n

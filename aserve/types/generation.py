@@ -311,6 +311,9 @@ class StepOutput:
     logprob: TokenLogprob | None = None
     # Prompt tokens whose K/V came from the prefix cache (not prefilled).
     cached_tokens: int = 0
+    # No token: a chunk of the prompt was prefilled and more is to come (the
+    # sequence stays running; its reader gets nothing from this step).
+    prefilling: bool = False
 
 
 @dataclass(slots=True)

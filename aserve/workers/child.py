@@ -287,6 +287,7 @@ def _serve_steps(
                     out.error_code,
                     out.logprob,
                     out.cached_tokens,
+                    out.prefilling,
                 )
             )
         active = still

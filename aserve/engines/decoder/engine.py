@@ -236,7 +236,13 @@ class DecoderEngine:
     ) -> list[StepOutput]:
         """Prefill ``new``, decode one token for ``running``; one output per sequence.
 
-        Outputs come in the order ``new`` then ``running``. Raises
+        Outputs come in the order ``new`` then ``running``. With
+        ``max_num_batched_tokens`` set, a step feeds at most that many tokens
+        (each decode one, the rest prompt tokens): a prompt that does not fit
+        is prefilled in chunks over the next steps, first admitted first. A
+        sequence still prefilling after this step has an output with
+        ``prefilling`` set and no token; the caller passes it as running
+        again, as any other. Raises
         :class:`CacheFull` (and allocates nothing) when ``new`` has more
         sequences than free slots.
 
@@ -252,7 +258,7 @@ class DecoderEngine:
             if s.slot is not None or s.output_ids or s.finished:
                 raise ValueError(f"sequence '{s.request_id}' has already started")
         for s in running:
-            if s.slot is None or not s.output_ids or s.finished:
+            if s.slot is None or not (s.output_ids or s.prefilling) or s.finished:
                 raise ValueError(f"sequence '{s.request_id}' is not running")
         if not new and not running:
             return []
@@ -275,84 +281,123 @@ class DecoderEngine:
             return [self._alone(s, s in new) for s in seqs]
         return [self._settle(s, t) for s, t in zip(seqs, tokens, strict=True)]
 
-    def _forward(self, new: list[Sequence], running: list[Sequence]) -> list[int]:
-        """Run the model and sample one token per sequence; on failure the new
-        sequences' slots are given back and the running ones are unchanged."""
+    def _forward(self, new: list[Sequence], running: list[Sequence]) -> list[int | None]:
+        """Run the model and sample one token per sequence (None for one whose
+        prompt is not all prefilled yet); on failure the new sequences' slots
+        are given back and the running ones are unchanged (a chunk that ran
+        is kept: its K/V are right)."""
         cache, model = self.cache, self.model
         try:
-            parts = []
-            if new:
-                parts.append(self._prefill(new))
-            if running:
+            decode = [s for s in running if not s.prefilling]
+            budget = self.generation.max_num_batched_tokens
+            if budget is not None:  # decodes first; a prefill always gets a token
+                budget = max(budget - len(decode), 1)
+            parts, seqs = [], []
+            logits, done = self._prefill(new, [s for s in running if s.prefilling], budget)
+            if done:
+                parts.append(logits)
+                seqs += done
+            if decode:
                 parts.append(
                     model.decode(
                         cache,
-                        [s.slot for s in running],  # type: ignore[misc]
-                        [s.output_ids[-1] for s in running],
-                        [s.num_tokens - 1 for s in running],
+                        [s.slot for s in decode],  # type: ignore[misc]
+                        [s.output_ids[-1] for s in decode],
+                        [s.num_tokens - 1 for s in decode],
                     )
                 )
-            seqs = new + running
+                seqs += decode
+            if not seqs:
+                return [None] * (len(new) + len(running))
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
             tokens = sample(logits, seqs)
             for s, logprob in zip(seqs, token_logprobs(logits, tokens, seqs), strict=True):
                 s.step_logprob = logprob
-            return tokens
+            by_seq = dict(zip(seqs, tokens, strict=True))
+            return [by_seq.get(s) for s in new + running]
         except BaseException:
             for s in new:
                 self.free(s, holds=0)  # what its slot holds now is not known
             raise
 
-    def _prefill(self, new: list[Sequence]) -> torch.Tensor:
-        """Give the new sequences their slots and prefill their prompts.
+    def _prefill(
+        self, new: list[Sequence], chunked: list[Sequence], budget: int | None
+    ) -> tuple[torch.Tensor, list[Sequence]]:
+        """Give the new sequences their slots and prefill prompts, at most
+        ``budget`` tokens of them (None: all), ``chunked`` (already running,
+        partly prefilled) first. Returns the logits of the sequences whose
+        prompt is now all prefilled, and those sequences, in that order.
 
         Each distinct prompt is prefilled once: a sequence whose prompt
         another of this step has (the choices of a request with ``n`` > 1, or
         two clients' equal prompts) gets a copy of that one's KV and its
-        logits row. With prefix caching, a prompt starts after the longest
-        cached prefix the prefix cache finds (:mod:`.prefix_cache`): every
-        copy of a prefix is made before the model runs, while its source
-        positions are still as recorded. Returns one logits row per
-        sequence, in order."""
+        logits row, when that one's prefill ends in this step (otherwise it
+        is prefilled on its own, in chunks). With prefix caching, a prompt
+        starts after the longest cached prefix the prefix cache finds
+        (:mod:`.prefix_cache`): every copy of a prefix is made before the
+        model runs, while its source positions are still as recorded."""
         cache, prefix = self.cache, self._prefix
-        first: dict[tuple[int, ...], int] = {}
+        first: dict[tuple[int, ...], Sequence] = {}
         owners: list[Sequence] = []  # the first sequence of each distinct prompt
-        rows: list[int] = []  # each sequence's row among the owners'
+        followers: list[tuple[Sequence, Sequence]] = []  # (sequence, its owner)
         for s in new:
             key = tuple(s.prompt_ids)
-            row = first.get(key)
-            if row is None:
-                row = first[key] = len(owners)
+            owner = first.get(key)
+            if owner is None:
+                first[key] = s
                 owners.append(s)
                 if prefix is not None:
                     place = prefix.place(s.prompt_ids)
                     s.slot, s.cached_tokens = cache.alloc(place.slot), place.cached
                     if place.copy_from is not None:
                         cache.copy(place.copy_from, place.slot, place.cached)
-                    rows.append(row)
-                    continue
-            elif prefix is not None:
-                s.cached_tokens = owners[row].cached_tokens
-                s.slot = cache.alloc(prefix.place(()).slot)
-                rows.append(row)
+                else:
+                    s.slot = cache.alloc()
+                s.prefilled = s.cached_tokens
+            else:
+                s.slot = cache.alloc(None if prefix is None else prefix.place(()).slot)
+                followers.append((s, owner))
+        rows: list[tuple[Sequence, int]] = []  # (sequence, tokens fed now)
+        left = budget
+        for s in (*chunked, *owners):
+            take = len(s.prompt_ids) - s.prefilled
+            if left is not None:
+                take = min(take, left)
+                left -= take
+            if take > 0:
+                rows.append((s, take))
+        done: list[Sequence] = []
+        picks: list[int] = []
+        logits = torch.empty(0)
+        if rows:
+            logits = self.model.prefill(
+                cache,
+                [s.slot for s, _ in rows],  # type: ignore[misc]
+                [s.prompt_ids[s.prefilled : s.prefilled + n] for s, n in rows],
+                [s.prefilled for s, _ in rows],
+            )
+        for row, (s, n) in enumerate(rows):
+            s.prefilled += n
+            if prefix is not None:
+                prefix.filled(s.slot, s.prompt_ids[: s.prefilled])  # type: ignore[arg-type]
+            if not s.prefilling:
+                done.append(s)
+                picks.append(row)
+        for s, owner in followers:
+            if owner.prefilling or owner not in done:
+                s.prefilled = 0  # its own prefill, from the next chunk on
                 continue
-            s.slot = cache.alloc()
-            rows.append(row)
-        logits = self.model.prefill(
-            cache,
-            [s.slot for s in owners],  # type: ignore[misc]
-            [s.prompt_ids[s.cached_tokens :] for s in owners],
-            [s.cached_tokens for s in owners],
-        )
-        for s, row in zip(new, rows, strict=True):
-            owner = owners[row]
-            if s is not owner:
-                cache.copy(owner.slot, s.slot, len(s.prompt_ids))  # type: ignore[arg-type]
+            cache.copy(owner.slot, s.slot, len(s.prompt_ids))  # type: ignore[arg-type]
+            s.prefilled, s.cached_tokens = len(s.prompt_ids), owner.cached_tokens
             if prefix is not None:
                 prefix.filled(s.slot, s.prompt_ids)  # type: ignore[arg-type]
-        if len(owners) == len(new):
-            return logits
-        return logits[torch.tensor(rows, device=logits.device)]
+            done.append(s)
+            picks.append(picks[done.index(owner)])
+        if not done:
+            return logits, done
+        if picks == list(range(len(rows))):
+            return logits, done
+        return logits[torch.tensor(picks, device=logits.device)], done
 
     def _alone(self, seq: Sequence, is_new: bool) -> StepOutput:
         """One member of a failed step, run on its own; a failure is its own."""
@@ -362,8 +407,21 @@ class DecoderEngine:
             return self._failed(seq, exc)
         return self._settle(seq, token)
 
-    def _settle(self, seq: Sequence, token: int) -> StepOutput:
-        """Append ``token``; text handling that raises fails this sequence only."""
+    def _settle(self, seq: Sequence, token: int | None) -> StepOutput:
+        """Append ``token``; text handling that raises fails this sequence only.
+        No token: the sequence is still prefilling."""
+        if token is None:
+            return StepOutput(
+                seq.request_id,
+                -1,
+                "",
+                False,
+                None,
+                seq.prompt_tokens,
+                0,
+                cached_tokens=seq.cached_tokens,
+                prefilling=True,
+            )
         try:
             return self._append(seq, token)
         except Exception as exc:
@@ -390,11 +448,13 @@ class DecoderEngine:
         """Return a sequence's slot (a cancelled one, or after a failed step); idempotent.
 
         The prefix cache keeps what the slot holds: the K/V of the sequence's
-        first ``holds`` tokens, by default every token fed so far (all but
-        the last generated, which no step has fed yet)."""
+        first ``holds`` tokens, by default every token fed so far (the prompt
+        prefilled so far, and all generated tokens but the last, which no
+        step has fed yet)."""
         if seq.slot is not None:
             if self._prefix is not None:
-                n = seq.num_tokens - 1 if holds is None else holds
+                fed = seq.prefilled + max(0, len(seq.output_ids) - 1)
+                n = fed if holds is None else holds
                 self._prefix.release(seq.slot, (seq.prompt_ids + seq.output_ids)[:n])
             self.cache.free(seq.slot)
             seq.slot = None
