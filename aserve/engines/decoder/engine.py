@@ -293,11 +293,15 @@ class DecoderEngine:
             if budget is not None:  # decodes first; a prefill always gets a token
                 budget = max(budget - len(decode), 1)
             parts, seqs = [], []
-            logits, done = self._prefill(new, [s for s in running if s.prefilling], budget)
+            chunked = [s for s in running if s.prefilling]
+            logits, done, decoded = self._prefill(new, chunked, budget, decode)
             if done:
                 parts.append(logits)
                 seqs += done
-            if decode:
+            if decoded is not None:
+                parts.append(decoded)
+                seqs += decode
+            elif decode:
                 parts.append(
                     model.decode(
                         cache,
@@ -321,12 +325,22 @@ class DecoderEngine:
             raise
 
     def _prefill(
-        self, new: list[Sequence], chunked: list[Sequence], budget: int | None
-    ) -> tuple[torch.Tensor, list[Sequence]]:
+        self,
+        new: list[Sequence],
+        chunked: list[Sequence],
+        budget: int | None,
+        decode: list[Sequence],
+    ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None]:
         """Give the new sequences their slots and prefill prompts, at most
         ``budget`` tokens of them (None: all), ``chunked`` (already running,
         partly prefilled) first. Returns the logits of the sequences whose
-        prompt is now all prefilled, and those sequences, in that order.
+        prompt is now all prefilled, those sequences, in that order, and with
+        chunked prefill the logits of ``decode`` (None: not decoded here).
+
+        With a budget, the chunks and the decodes run as one pass of the
+        weights (:meth:`DecoderModel.mixed`): a step then costs about a
+        decode step plus the chunk's attention, not a decode step plus a
+        prefill's.
 
         Each distinct prompt is prefilled once: a sequence whose prompt
         another of this step has (the choices of a request with ``n`` > 1, or
@@ -368,8 +382,20 @@ class DecoderEngine:
                 rows.append((s, take))
         done: list[Sequence] = []
         picks: list[int] = []
-        logits = torch.empty(0)
-        if rows:
+        logits, decoded = torch.empty(0), None
+        if rows and decode and budget is not None:
+            both = self.model.mixed(
+                cache,
+                [
+                    (s.slot, s.prompt_ids[s.prefilled : s.prefilled + n], s.prefilled)
+                    for s, n in rows
+                ],  # type: ignore[misc]
+                [s.slot for s in decode],  # type: ignore[misc]
+                [s.output_ids[-1] for s in decode],
+                [s.num_tokens - 1 for s in decode],
+            )
+            logits, decoded = both[: len(rows)], both[len(rows) :]
+        elif rows:
             logits = self.model.prefill(
                 cache,
                 [s.slot for s, _ in rows],  # type: ignore[misc]
@@ -393,11 +419,9 @@ class DecoderEngine:
                 prefix.filled(s.slot, s.prompt_ids)  # type: ignore[arg-type]
             done.append(s)
             picks.append(picks[done.index(owner)])
-        if not done:
-            return logits, done
-        if picks == list(range(len(rows))):
-            return logits, done
-        return logits[torch.tensor(picks, device=logits.device)], done
+        if done and picks != list(range(len(rows))):
+            logits = logits[torch.tensor(picks, device=logits.device)]
+        return logits, done, decoded
 
     def _alone(self, seq: Sequence, is_new: bool) -> StepOutput:
         """One member of a failed step, run on its own; a failure is its own."""

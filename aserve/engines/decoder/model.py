@@ -219,11 +219,92 @@ class DecoderModel:
         batch = len(slots)
         if not (batch == len(last_tokens) == len(positions)) or not slots:
             raise ValueError("decode needs one token and one position per slot, and at least one")
+        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
+        pos_t, attend = self._decode_attend(cache, slots, positions)
+        hidden = self._blocks(ids, pos_t[:, None], attend)
+        return self._logits(hidden[:, 0])
+
+    @torch.inference_mode()
+    def mixed(
+        self,
+        cache: KVCache,
+        chunks: Sequence[tuple[int, Sequence[int], int]],
+        slot_ids: Sequence[int],
+        last_tokens: Sequence[int],
+        positions: Sequence[int],
+    ) -> torch.Tensor:
+        """Prompt chunks and decodes in ONE pass of the weights (a chunked
+        prefill's step); logits (len(chunks) + n, vocab): each chunk's last
+        token, then each decode's.
+
+        ``chunks`` are ``(slot, tokens, start)``: ``tokens`` fed at positions
+        ``start`` on, attending to the slot's first ``start`` positions too.
+        The decodes are :meth:`decode`'s. Every token runs through the linear
+        layers as one row of a single packed sequence (no padding); attention
+        is per chunk, over a view of its own slot, and batched for the decodes.
+        """
+        if not chunks or not slot_ids:
+            raise ValueError("a mixed step needs at least one chunk and one decode")
+        cache.check_slots([c[0] for c in chunks] + list(slot_ids))
+        dev = self.device
+        ids_l: list[int] = []
+        pos_l: list[int] = []
+        spans: list[tuple[int, int, int, int, torch.Tensor]] = []  # (slot, at, n, start, mask)
+        for slot, tokens, start in chunks:
+            n = len(tokens)
+            if n == 0:
+                raise ValueError("cannot prefill an empty chunk")
+            cache.check_length(start + n)
+            # (n, start + n): key position <= the query's position.
+            mask = (
+                torch.arange(start + n, device=dev)[None, :]
+                <= (start + torch.arange(n, device=dev))[:, None]
+            )
+            spans.append((slot, len(ids_l), n, start, mask))
+            ids_l += tokens
+            pos_l += range(start, start + n)
+        at = len(ids_l)
+        _, dattend = self._decode_attend(cache, list(slot_ids), positions)
+        ids = torch.tensor([*ids_l, *last_tokens], dtype=torch.long, device=dev)[None, :]
+        pos = torch.tensor([*pos_l, *positions], dtype=torch.long, device=dev)[None, :]
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        scales = self.spec.attn_scales
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc = cache.k[i], cache.v[i]
+            outs = []
+            for slot, a, n, start, mask in spans:
+                kc[slot, :, start : start + n] = k[0, :, a : a + n]
+                vc[slot, :, start : start + n] = v[0, :, a : a + n]
+                ks, vs = kc[slot : slot + 1, :, : start + n], vc[slot : slot + 1, :, : start + n]
+                if group > 1:
+                    ks = ks.repeat_interleave(group, dim=1)
+                    vs = vs.repeat_interleave(group, dim=1)
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[:, :, a : a + n], ks, vs, attn_mask=mask, scale=scales[i]
+                    )
+                )
+            # The decodes' (1, heads, d, hd) as decode's (d, heads, 1, hd), and back.
+            qd, kd, vd = (x[0, :, at:].transpose(0, 1).unsqueeze(2) for x in (q, k, v))
+            outs.append(dattend(i, qd, kd, vd).squeeze(2).transpose(0, 1).unsqueeze(0))
+            return torch.cat(outs, dim=2)
+
+        hidden = self._blocks(ids, pos, attend)
+        last = [a + n - 1 for _, a, n, _, _ in spans] + list(range(at, ids.shape[1]))
+        return self._logits(hidden[0, torch.tensor(last, device=dev)])
+
+    def _decode_attend(
+        self, cache: KVCache, slots: list[int], positions: Sequence[int]
+    ) -> tuple[torch.Tensor, _Attend]:
+        """Positions and attention of one token per slot, fed at ``positions``:
+        q, k, v (B, heads or kv_heads, 1, hd); each attends to its own slot's
+        positions up to its own."""
+        batch = len(slots)
         cache.check_slots(slots)
         for p in positions:
             cache.check_length(p + 1)
         span = max(positions) + 1  # attention reads only this much of each slot
-        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         slot_t = torch.tensor(slots, device=self.device)
         first = slots[0]
@@ -250,8 +331,7 @@ class DecoderModel:
             )
             return out.reshape(batch, spec.num_heads, 1, hd)
 
-        hidden = self._blocks(ids, pos_t[:, None], attend)
-        return self._logits(hidden[:, 0])
+        return pos_t, attend
 
     # --- the transformer ---------------------------------------------------------
 
