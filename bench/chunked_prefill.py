@@ -13,7 +13,9 @@ long enough never to finish meanwhile) are started and left to run a few
 steps. Then two windows, each measuring the gaps between successive chunks
 of every stream:
 
-- quiet: ``--quiet-seconds`` with nothing else;
+- quiet: ``--quiet-seconds`` with nothing else, half of it before the
+  loaded window and half after (the machine's other load drifts; both
+  halves are pooled);
 - loaded: ``--long-prompts`` prompts of ``--long-tokens`` token ids (distinct)
   sent one after another, each waiting for its answer (``max_tokens`` 1); the
   window runs from the first one sent to the last one answered.
@@ -128,7 +130,7 @@ async def measure(base: str, args: argparse.Namespace) -> dict[str, Any]:
         ]
         await asyncio.gather(*(e.wait() for e in gaps.started))  # each stream is running
         q0 = time.perf_counter()
-        await asyncio.sleep(args.quiet_seconds)
+        await asyncio.sleep(args.quiet_seconds / 2)
         q1 = l0 = time.perf_counter()
         ttft = []
         for k in range(args.long_prompts):
@@ -139,10 +141,13 @@ async def measure(base: str, args: argparse.Namespace) -> dict[str, Any]:
                 assert r.status == 200, await r.text()
                 await r.read()
             ttft.append(round(1e3 * (time.perf_counter() - sent), 1))
-        l1 = time.perf_counter()
+        l1 = q2 = time.perf_counter()
+        await asyncio.sleep(args.quiet_seconds / 2)
+        q3 = time.perf_counter()
         stop.set()
         await asyncio.gather(*tasks)
-    quiet, loaded = stats(window(gaps, q0, q1)), stats(window(gaps, l0, l1))
+    quiet = stats(sorted(window(gaps, q0, q1) + window(gaps, q2, q3)))
+    loaded = stats(window(gaps, l0, l1))
     return {
         "quiet": quiet,
         "loaded": loaded,
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--long-prompts", type=int, default=2)
     p.add_argument("--long-tokens", type=int, default=2000)
-    p.add_argument("--quiet-seconds", type=float, default=30.0)
+    p.add_argument("--quiet-seconds", type=float, default=40.0)
     p.add_argument("--generation", type=json.loads, default={})
     p.add_argument("--out-dir", type=Path, default=REPO / "bench")
     p.add_argument("--tag", default="run")

@@ -614,10 +614,11 @@ class ContinuousBatcher:
                     if out.cached_tokens:
                         self.prefix_cache_hits += 1
                         self.cached_prompt_tokens += out.cached_tokens
-            n = sum(not o.prefilling for o in job.outputs)
+            n = len(job.outputs)
             if n:
+                # A step that only prefilled chunks (no token) still counts as a step.
                 self.steps += 1
-                self.generated_tokens += n
+                self.generated_tokens += sum(not o.prefilling for o in job.outputs)
                 self.step_batch_sizes[n] = self.step_batch_sizes.get(n, 0) + 1
                 stats.record_batch(n, n, 0, job.infer_ns, time.perf_counter_ns() - t0)
         self._form_step()
