@@ -1,4 +1,5 @@
-"""Chunked prefill through a real server (step process and step thread): long
+"""Chunked prefill through a real server (step process, step thread, a step
+process that runs ahead of the server): long
 prompts prefilled a few tokens a step give the same answers, whole and
 streamed, as the same model prefilling them whole."""
 
@@ -18,12 +19,21 @@ pytestmark = pytest.mark.timeout(90)
 LONG = " ".join(f"river {i} by stone," for i in range(10))  # about 70 tokens
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["step-process", "step-thread"])
+@pytest.fixture(
+    scope="module",
+    params=[(True, 0), (False, 0), (True, 4)],
+    ids=["step-process", "step-thread", "run-ahead"],
+)
 def chunked(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
+    process, ahead = request.param
     s = start_gpt2_server(
-        tmp_path_factory, "chunked", max_num_batched_tokens=8, step_process=request.param
+        tmp_path_factory,
+        "chunked",
+        max_num_batched_tokens=8,
+        step_process=process,
+        step_run_ahead=ahead,
     )
     yield s
     s.stop()
