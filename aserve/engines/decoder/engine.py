@@ -18,7 +18,10 @@ Thread contract (the same spirit as :class:`aserve.engines.base.Engine`):
 The continuous batcher calls ``step(new, running)`` repeatedly: it prefills
 the new sequences (their first token comes from the prefill) and runs one
 decode step for the running ones; every sequence passed in gets exactly one
-token. A sequence that finishes frees its slot inside ``step``. A cancelled
+token, except one whose prompt is prefilled in chunks
+(``generation.max_num_batched_tokens``), which gets none until its last
+chunk. A new sequence's prompt starts after the longest prefix the prefix
+cache finds in the KV cache (:mod:`.prefix_cache`). A sequence that finishes frees its slot inside ``step``. A cancelled
 one is simply not passed again, and ``free(seq)`` returns its slot.
 """
 
