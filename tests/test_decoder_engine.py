@@ -9,6 +9,7 @@ from pathlib import Path
 
 import lm_models
 import pytest
+import torch
 
 from aserve.engines.decoder import (
     CacheFull,
@@ -54,10 +55,12 @@ def drive(
     engine: DecoderEngine,
     arrivals: list[tuple[int, Sequence]],
     cancel_at: dict[str, int] | None = None,
+    running: list[Sequence] | None = None,
 ) -> dict[str, list[StepOutput]]:
     """A minimal continuous batcher: admit arrived sequences while slots are free,
-    drop cancelled ones between steps, step until everything has finished."""
-    pending, running = list(arrivals), []
+    drop cancelled ones between steps, step until everything has finished
+    (``running``: sequences already started)."""
+    pending, running = list(arrivals), list(running or [])
     outputs: dict[str, list[StepOutput]] = defaultdict(list)
     cancel_at = cancel_at or {}
     for step in range(500):
@@ -342,9 +345,9 @@ def test_equal_prompts_of_one_step_are_prefilled_once(lm_dir: Path) -> None:
     prefill = engine.model.prefill
     rows: list[int] = []
 
-    def counted(cache, slots, prompts):  # a spy on the real prefill: how many prompts ran
+    def counted(cache, slots, prompts, starts):  # a spy on the real prefill: how many ran
         rows.append(len(prompts))
-        return prefill(cache, slots, prompts)
+        return prefill(cache, slots, prompts, starts)
 
     engine.model.prefill = counted  # type: ignore[method-assign]
     together = [engine.new_sequence(f"n{i}", TEXTS[2], p) for i, p in enumerate(params)]
@@ -353,3 +356,188 @@ def test_equal_prompts_of_one_step_are_prefilled_once(lm_dir: Path) -> None:
     assert rows == [2]  # one step: the shared prompt once, the other prompt once
     assert [s.output_ids for s in together] == alone
     assert len({tuple(a) for a in alone}) == 3  # the seeds really differ
+
+
+# --- prefix caching --------------------------------------------------------------
+
+LONG = (
+    "A server streams tokens to many clients, one step at a time; when a client "
+    "goes away its sequence leaves, and the next one takes its slot in the cache"
+)
+
+
+@torch.inference_mode()
+def reference(ref: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens past any EOS (the whole prompt run per token)."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def greedy(
+    engine: DecoderEngine, ref: torch.nn.Module, prompts: list[list[int]], n: int = 8
+) -> list[Sequence]:
+    """Run ``prompts`` together in one step (then decode them to the end) and check
+    each against transformers' greedy generation."""
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    seqs = [engine.new_sequence(f"g{i}", p, params) for i, p in enumerate(prompts)]
+    drive(engine, [(0, s) for s in seqs])
+    for seq in seqs:
+        assert seq.output_ids == reference(ref, seq.prompt_ids, n)
+    return seqs
+
+
+def test_prefix_cached_prefill_equals_transformers(lm_dir: Path) -> None:
+    """A prompt sharing a prefix with what a freed slot holds prefills only the
+    rest, at every alignment against the blocks (4 tokens here): shorter or
+    longer than the cached prompt, ending on a block boundary or one past it,
+    equal to it (one token is still prefilled), continuing its generated
+    tokens (the next turn of a chat), and next to uncached prompts of other
+    lengths in the same step (ragged starts)."""
+    engine = make_engine(lm_dir, prefix_block_tokens=4)
+    ref = lm_models.load_reference(lm_dir)
+    base = engine.tokenizer.encode(LONG)[:30]
+    assert len(base) == 30
+    (first,) = greedy(engine, ref, [base])
+    assert first.cached_tokens == 0
+    others = ["The quick brown fox", "Hello", "seven silver", "Yes", "Blue", "When it rains"]
+    for k, text in zip((8, 9, 11, 13, 29, 30), others, strict=True):
+        prompt = base if k == 30 else base[:k] + engine.tokenizer.encode(" and then")
+        seq, plain = greedy(engine, ref, [prompt, engine.tokenizer.encode(text)])
+        assert seq.cached_tokens == min(k // 4, (len(prompt) - 1) // 4) * 4, k
+        assert plain.cached_tokens == 0
+    # The next turn: the whole last sequence (prompt and output) then more.
+    turn = greedy(engine, ref, [base])[0]
+    follow = base + turn.output_ids + engine.tokenizer.encode(" Yes")
+    (nxt,) = greedy(engine, ref, [follow])
+    assert nxt.cached_tokens == (len(base) + len(turn.output_ids) - 1) // 4 * 4
+    assert nxt.cached_tokens > len(base)
+
+
+def test_a_running_sequence_shares_its_prefix(lm_dir: Path) -> None:
+    """A prompt whose prefix a running sequence holds gets a copy of it (the
+    slot stays the running one's): both generate what they would alone."""
+    engine = make_engine(lm_dir, prefix_block_tokens=4)
+    ref = lm_models.load_reference(lm_dir)
+    base = engine.tokenizer.encode(LONG)[:24]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = engine.new_sequence("a", base, params)
+    b = engine.new_sequence("b", base[:20] + engine.tokenizer.encode(" Hello there"), params)
+    drive(engine, [(0, a), (2, b)])
+    assert b.cached_tokens == 20 and a.cached_tokens == 0
+    for seq in (a, b):
+        assert seq.output_ids == reference(ref, seq.prompt_ids, 12)
+
+
+def test_prefix_cache_evicts_the_least_recently_used_slot(llama_dir: Path) -> None:
+    """With two slots, a third prompt takes the slot freed longest ago: the
+    prefix held by the other slot stays cached, the evicted one is gone."""
+    engine = make_engine(llama_dir, max_num_seqs=2, prefix_block_tokens=4)
+    words = ["apple", "river", "stone"]
+    prompts = [engine.tokenizer.encode(f"{w} " * 12) for w in words]
+
+    def cached(prompt: list[int]) -> int:
+        seq = engine.new_sequence("s", prompt, SamplingParams(temperature=0, max_tokens=2))
+        drive(engine, [(0, seq)])
+        return seq.cached_tokens
+
+    assert [cached(p) for p in prompts] == [0, 0, 0]  # apple, river, then stone evicts apple
+    assert cached(prompts[1]) > 0  # river is still there
+    assert cached(prompts[0]) == 0  # apple was evicted (and now evicts stone, the LRU)
+    assert cached(prompts[2]) == 0
+    assert cached(prompts[0]) > 0
+
+
+def test_prefix_caching_can_be_turned_off(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, prefix_caching=False)
+    ref = lm_models.load_reference(llama_dir)
+    base = engine.tokenizer.encode(LONG)[:30]
+    for _ in range(2):
+        (seq,) = greedy(engine, ref, [base])
+        assert seq.cached_tokens == 0
+
+
+def test_a_failed_step_forgets_what_its_slots_held(llama_dir: Path) -> None:
+    """A prefill that raised leaves its slots' contents unknown: the next
+    sequence of that prompt is prefilled whole, and generates what it should
+    (one slot: the failed sequence took the slot that held its prefix)."""
+    engine = make_engine(llama_dir, max_num_seqs=1, prefix_block_tokens=4)
+    ref = lm_models.load_reference(llama_dir)
+    base = engine.tokenizer.encode(LONG)[:30]
+    greedy(engine, ref, [base])
+    prefill = engine.model.prefill
+
+    def broken(*args: object) -> object:
+        raise RuntimeError("the device went away")
+
+    engine.model.prefill = broken  # type: ignore[method-assign]
+    seq = engine.new_sequence("x", base, GREEDY)
+    with pytest.raises(RuntimeError):
+        engine.step([seq])
+    engine.model.prefill = prefill  # type: ignore[method-assign]
+    (again,) = greedy(engine, ref, [base])
+    assert again.cached_tokens == 0
+
+
+# --- chunked prefill ------------------------------------------------------------
+
+
+def test_chunked_prefill_equals_transformers_and_decodes_go_on(lm_dir: Path) -> None:
+    """With at most 7 tokens a step, long prompts are prefilled in chunks
+    (ending on and off the prefix cache's blocks of 4) while the running
+    sequences get a token every step; everyone generates exactly what
+    transformers does, a prompt cached in part included."""
+    engine = make_engine(lm_dir, max_num_batched_tokens=7, prefix_block_tokens=4)
+    ref = lm_models.load_reference(lm_dir)
+    base = engine.tokenizer.encode(LONG)[:30]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    short = engine.new_sequence("short", engine.tokenizer.encode("Hello"), params)
+    engine.step([short])  # one token of prompt (and a token out): under the budget
+    assert not short.prefilling and len(short.output_ids) == 1
+    long_a = engine.new_sequence("a", base, params)
+    long_b = engine.new_sequence("b", base[:17] + engine.tokenizer.encode(" Yes"), params)
+    running, steps = [short], 0
+    new = [long_a, long_b]
+    while long_a.prefilling or long_b.prefilling or new:
+        outs = engine.step(new, running)
+        steps += 1
+        running = [s for s in new + running if not s.finished]
+        new = []
+        assert not short.finished or len(short.output_ids) == 10
+        by_id = {o.request_id: o for o in outs}
+        if not short.finished:
+            assert not by_id["short"].prefilling and by_id["short"].token_id >= 0
+        for s in (long_a, long_b):
+            assert by_id[s.request_id].prefilling == s.prefilling
+    # First admitted first: "a" (30 tokens) in 5 steps of 6 (7 less short's decode),
+    # then "b" (18) in steps of 5 (a decodes too): 4 more. Short's 10 tokens outlast them.
+    assert steps == 5 + -(-len(long_b.prompt_ids) // 5) < 10
+    drive(engine, [], running=running)
+    for seq in (short, long_a, long_b):
+        assert seq.output_ids == reference(ref, seq.prompt_ids, 10), seq.request_id
+    # A prompt cached in part, its rest in chunks.
+    c = engine.new_sequence("c", base[:20] + engine.tokenizer.encode(" and then"), params)
+    drive(engine, [(0, c)])
+    assert c.cached_tokens == 20
+    assert c.output_ids == reference(ref, c.prompt_ids, 10)
+
+
+def test_chunked_prefill_of_equal_prompts(llama_dir: Path) -> None:
+    """Equal prompts admitted together whose prefill takes several steps are
+    each prefilled on their own, and each generates what it would alone."""
+    engine = make_engine(llama_dir, max_num_batched_tokens=5, prefix_caching=False)
+    ref = lm_models.load_reference(llama_dir)
+    prompt = engine.tokenizer.encode(LONG)[:23]
+    seqs = [
+        engine.new_sequence(
+            f"n{i}", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        )
+        for i in range(3)
+    ]
+    outputs = drive(engine, [(0, s) for s in seqs])
+    want = reference(ref, prompt, 6)
+    for s in seqs:
+        assert s.output_ids == want
+        assert [o.token_id for o in outputs[s.request_id] if not o.prefilling] == want
+        assert sum(o.prefilling for o in outputs[s.request_id]) >= 4

@@ -216,3 +216,33 @@ def test_a_grammar_its_vocabulary_cannot_spell_fails_its_sequence_alone(
         (out,) = llama.step([], [free])
         assert out.error is None
     assert len(free.output_ids) == 5
+
+
+def test_constrained_sequences_beside_chunked_prefills_keep_their_masks(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """With chunked prefill a step samples only some of its sequences, in another
+    order than it started the masks in: each constrained one still gets its own
+    mask (its output validates and equals what it generates without chunking),
+    while a long prompt is prefilled over several steps beside it."""
+    folder = lm_models.tiny_model("gpt2", tmp_path_factory.getbasetemp() / "lms")
+    schema = json.dumps(SCHEMA)
+    outputs = []
+    for budget in (None, 6):
+        e = DecoderEngine(folder, GenerationConfig(
+            max_num_seqs=8, max_model_len=128, max_tokens_default=60, max_tokens_cap=120,
+            max_num_batched_tokens=budget,
+        ))  # fmt: skip
+        e.load()
+        e.create_instance(0)
+        long = e.new_sequence("long", "word " * 40, SamplingParams(seed=9, json_schema=schema))
+        held = [
+            e.new_sequence(f"h{i}", "Hi", SamplingParams(seed=i, json_schema=schema))
+            for i in range(2)
+        ]
+        _run(e, [*held, long])
+        for s in (*held, long):
+            jsonschema.validate(json.loads(e.tokenizer.decode(s.output_ids)), SCHEMA)
+        outputs.append([s.output_ids for s in (*held, long)])
+        e.unload()
+    assert outputs[0] == outputs[1]

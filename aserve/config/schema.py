@@ -397,8 +397,28 @@ class GenerationConfig(_Frozen):
     max_prefill_tokens: Annotated[int, Field(ge=1)] = 2048
     """Prompt tokens one step may prefill. The first sequence a step admits
     is admitted whatever its length, so a long prompt is never starved."""
+    max_num_batched_tokens: Annotated[int | None, Field(ge=1)] = None
+    """Chunked prefill: most tokens one engine step feeds, each running
+    sequence's decode one and prompt tokens the rest (at least one). A prompt
+    that does not fit is prefilled over several steps while the running
+    sequences go on decoding, so a long prompt delays their next tokens by
+    about one chunk's prefill instead of its whole prefill; the long prompt's
+    own first token comes later. None (the default): every admitted prompt is
+    prefilled whole in the step that admits it."""
     max_queue_size: Annotated[int, Field(ge=1)] = 256
     """Sequences waiting for a KV-cache slot; past it a request is refused (429)."""
+    prefix_caching: bool = True
+    """Reuse the K/V of a prompt prefix already in the KV cache (a system
+    prompt, a chat's earlier turns): a new sequence takes the slot that holds
+    the longest prefix of its prompt, or a copy of it, and only the rest is
+    prefilled. A slot's contents stay when its sequence ends, until another
+    takes it (least recently used first); the outputs are the same as
+    without it. ``usage.prompt_tokens_details.cached_tokens`` says how many
+    prompt tokens were reused. False: every prompt is prefilled whole."""
+    prefix_block_tokens: Annotated[int, Field(ge=1, le=1024)] = 16
+    """Granularity of prefix caching, in tokens: a prefix is reused in whole
+    blocks of this many tokens (smaller finds longer prefixes; each block is
+    a hash to compute and look up per prompt)."""
     max_prompt_bytes: Annotated[int | None, Field(ge=1)] = None
     """Largest prompt (UTF-8 bytes of its text, or of a chat's messages) that is
     tokenized; a larger one is refused (413) before any tokenizing. None:

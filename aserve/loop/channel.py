@@ -123,5 +123,12 @@ def _merge(outputs: deque[StepOutput]) -> Delta:
     # Every output of a request that asked for log probabilities carries its token's.
     logprobs = None if last.logprob is None else [o.logprob for o in outputs]  # type: ignore[misc]
     return Delta(
-        text, ids, reason, last.prompt_tokens, last.completion_tokens, reason is not None, logprobs
+        text,
+        ids,
+        reason,
+        last.prompt_tokens,
+        last.completion_tokens,
+        reason is not None,
+        logprobs,
+        last.cached_tokens,
     )

@@ -320,6 +320,9 @@ class ContinuousBatcher:
         self.ahead_steps = 0  # steps the executor ran on its own
         self.generated_tokens = 0
         self.prompt_tokens = 0
+        # Finished sequences whose prompt began with a prefix-cache hit, and its tokens.
+        self.prefix_cache_hits = 0
+        self.cached_prompt_tokens = 0
         self.step_batch_sizes: dict[int, int] = {}
 
     # --- state seen by others -------------------------------------------------
@@ -606,6 +609,8 @@ class ContinuousBatcher:
                 if out.error is not None:  # this member failed alone; the others go on
                     self._end(req, _member_error(self.label, out))
                     continue
+                if out.prefilling:  # a chunk of its prompt ran; no token for the reader yet
+                    continue
                 req.channel.push(out)
                 # One token per sequence per step: the first after the request
                 # arrived, the others after the previous step that gave one.
@@ -619,10 +624,14 @@ class ContinuousBatcher:
                     del self._running[req.id]
                     stats.success.add(int((now - req.arrival) * 1e9))
                     self.prompt_tokens += out.prompt_tokens
+                    if out.cached_tokens:
+                        self.prefix_cache_hits += 1
+                        self.cached_prompt_tokens += out.cached_tokens
             n = len(job.outputs)
             if n:
+                # A step that only prefilled chunks (no token) still counts as a step.
                 self.steps += 1
-                self.generated_tokens += n
+                self.generated_tokens += sum(not o.prefilling for o in job.outputs)
                 self.step_batch_sizes[n] = self.step_batch_sizes.get(n, 0) + 1
                 stats.record_batch(n, n, 0, job.infer_ns, time.perf_counter_ns() - t0)
         self._form_step()
@@ -740,5 +749,7 @@ class ContinuousBatcher:
             "ahead_step_count": self.ahead_steps,
             "generated_tokens": self.generated_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "step_batch_sizes": {str(k): v for k, v in sorted(self.step_batch_sizes.items())},
         }

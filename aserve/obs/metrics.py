@@ -234,6 +234,16 @@ class ServerCollector(Collector):
         prompt = CounterMetricFamily(
             "aserve_prompt_tokens", "Decoder models: prompt tokens of finished requests.", labels=mv
         )
+        cached = CounterMetricFamily(
+            "aserve_cached_prompt_tokens",
+            "Decoder models: prompt tokens of finished requests reused from the prefix cache.",
+            labels=mv,
+        )
+        hits = CounterMetricFamily(
+            "aserve_prefix_cache_hits",
+            "Decoder models: finished requests whose prompt began with a prefix-cache hit.",
+            labels=mv,
+        )
         seqs = GaugeMetricFamily(
             "aserve_running_sequences", "Decoder models: sequences in the running batch.", labels=mv
         )
@@ -276,6 +286,8 @@ class ServerCollector(Collector):
                     hist.add_metric(labels, h.cumulative(), h.sum)
                 generated.add_metric(labels, gen["generated_tokens"])
                 prompt.add_metric(labels, gen["prompt_tokens"])
+                cached.add_metric(labels, gen["cached_prompt_tokens"])
+                hits.add_metric(labels, gen["prefix_cache_hits"])
                 seqs.add_metric(labels, gen["running_sequence_count"])
                 kv.add_metric(labels, gen["kv_slots_in_use"] / max(1, gen["max_num_seqs"]))
         yield from (
@@ -294,6 +306,8 @@ class ServerCollector(Collector):
             itl_h,
             generated,
             prompt,
+            cached,
+            hits,
             seqs,
             kv,
             active,

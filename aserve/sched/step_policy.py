@@ -21,6 +21,11 @@ on the loop by :mod:`aserve.loop.continuous`). The rules:
    lower priority a higher one. A running sequence is never preempted: a
    higher priority waits for a slot to free. So a low priority waits only
    while a higher one waits for a slot (or for this step's prefill budget).
+   With ``max_num_batched_tokens`` (chunked prefill) an admitted prompt may
+   be prefilled over several steps: the engine spends each step's token
+   budget (what the decodes leave of it) on admitted prompts in admission
+   order. The engine, not the plan, cuts the chunks: only it knows how much
+   of each prompt the prefix cache already holds.
 4. With nothing to run, the batcher sleeps until the earliest deadline (or
    until an arrival, a cancellation or a reader that catches up wakes it).
 """

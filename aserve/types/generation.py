@@ -319,6 +319,11 @@ class StepOutput:
     error_code: str = "internal"
     # The token's log probability and alternatives, when the request asked for them.
     logprob: TokenLogprob | None = None
+    # Prompt tokens whose K/V came from the prefix cache (not prefilled).
+    cached_tokens: int = 0
+    # No token: a chunk of the prompt was prefilled and more is to come (the
+    # sequence stays running; its reader gets nothing from this step).
+    prefilling: bool = False
 
 
 @dataclass(slots=True)
@@ -340,3 +345,5 @@ class Delta:
     finished: bool
     # One per token of ``token_ids``, when the request asked for log probabilities.
     logprobs: list[TokenLogprob] | None = None
+    # Prompt tokens whose K/V came from the prefix cache (usage's cached_tokens).
+    cached_tokens: int = 0

@@ -286,6 +286,8 @@ def _serve_steps(
                     out.error,
                     out.error_code,
                     out.logprob,
+                    out.cached_tokens,
+                    out.prefilling,
                 )
             )
         active = still

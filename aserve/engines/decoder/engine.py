@@ -18,7 +18,10 @@ Thread contract (the same spirit as :class:`aserve.engines.base.Engine`):
 The continuous batcher calls ``step(new, running)`` repeatedly: it prefills
 the new sequences (their first token comes from the prefill) and runs one
 decode step for the running ones; every sequence passed in gets exactly one
-token. A sequence that finishes frees its slot inside ``step``. A cancelled
+token, except one whose prompt is prefilled in chunks
+(``generation.max_num_batched_tokens``), which gets none until its last
+chunk. A new sequence's prompt starts after the longest prefix the prefix
+cache finds in the KV cache (:mod:`.prefix_cache`). A sequence that finishes frees its slot inside ``step``. A cancelled
 one is simply not passed again, and ``free(seq)`` returns its slot.
 """
 
@@ -32,9 +35,10 @@ import torch
 
 from aserve.config import GenerationConfig
 from aserve.engines.decoder.checkpoint import check_folder
-from aserve.engines.decoder.grammar import Grammars, GrammarStepError
+from aserve.engines.decoder.grammar import Allowed, Grammars, GrammarStepError
 from aserve.engines.decoder.kv_cache import CacheFull, KVCache, SequenceTooLong
 from aserve.engines.decoder.model import DecoderModel, resolve_dtype
+from aserve.engines.decoder.prefix_cache import PrefixCache
 from aserve.engines.decoder.sampling import make_generator, sample, token_logprobs
 from aserve.engines.decoder.sequence import Sequence
 from aserve.engines.decoder.spec import ModelSpec
@@ -66,6 +70,7 @@ class DecoderEngine:
         self._tokenizer: Tokenizer | None = None
         self._cache: KVCache | None = None
         self._grammars: Grammars | None = None
+        self._prefix: PrefixCache | None = None  # None: prefix caching is off
 
     # --- lifecycle --------------------------------------------------------------
 
@@ -85,6 +90,8 @@ class DecoderEngine:
         self._spec = model.spec
         self._grammars = Grammars(tokenizer, model.spec.vocab_size, self.cpu_threads)
         self._warm_up()
+        if gen.prefix_caching:
+            self._prefix = PrefixCache(gen.max_num_seqs, gen.prefix_block_tokens)
         log.info(
             "loaded %s (%s, %d layers) on %s: KV cache %d x %d tokens, %.1f MiB",
             self.model_path,
@@ -120,7 +127,9 @@ class DecoderEngine:
         removed; ``bench/decoder_memory.py``)."""
         if self._grammars is not None:
             self._grammars.close()
-        self._model = self._tokenizer = self._cache = self._spec = self._grammars = None
+        self._model = self._tokenizer = self._cache = self._spec = self._grammars = self._prefix = (
+            None
+        )
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         release_freed_memory()
@@ -251,7 +260,13 @@ class DecoderEngine:
     ) -> list[StepOutput]:
         """Prefill ``new``, decode one token for ``running``; one output per sequence.
 
-        Outputs come in the order ``new`` then ``running``. Raises
+        Outputs come in the order ``new`` then ``running``. With
+        ``max_num_batched_tokens`` set, a step feeds at most that many tokens
+        (each decode one, the rest prompt tokens): a prompt that does not fit
+        is prefilled in chunks over the next steps, first admitted first. A
+        sequence still prefilling after this step has an output with
+        ``prefilling`` set and no token; the caller passes it as running
+        again, as any other. Raises
         :class:`CacheFull` (and allocates nothing) when ``new`` has more
         sequences than free slots.
 
@@ -267,7 +282,7 @@ class DecoderEngine:
             if s.slot is not None or s.output_ids or s.finished:
                 raise ValueError(f"sequence '{s.request_id}' has already started")
         for s in running:
-            if s.slot is None or not s.output_ids or s.finished:
+            if s.slot is None or not (s.output_ids or s.prefilling) or s.finished:
                 raise ValueError(f"sequence '{s.request_id}' is not running")
         if not new and not running:
             return []
@@ -290,68 +305,158 @@ class DecoderEngine:
             return [self._alone(s, s in new) for s in seqs]
         return [self._settle(s, t) for s, t in zip(seqs, tokens, strict=True)]
 
-    def _forward(self, new: list[Sequence], running: list[Sequence]) -> list[int]:
-        """Run the model and sample one token per sequence; on failure the new
-        sequences' slots are given back and the running ones are unchanged."""
+    def _forward(self, new: list[Sequence], running: list[Sequence]) -> list[int | None]:
+        """Run the model and sample one token per sequence (None for one whose
+        prompt is not all prefilled yet); on failure the new sequences' slots
+        are given back and the running ones are unchanged (a chunk that ran
+        is kept: its K/V are right)."""
         cache, model = self.cache, self.model
-        for s in new:
-            s.slot = cache.alloc()
-        seqs = new + running
+        # The grammars' masks are filled on a helper thread while the model runs, for
+        # every sequence of the step (one still prefilling draws nothing: its mask,
+        # read-only, is left unused).
+        candidates = new + running
         masks = None
         try:
-            # The grammars' masks are filled on a helper thread while the model runs.
-            masks = self.grammars.start(seqs)
-            parts = []
-            if new:
-                parts.append(self._prefill(new))
-            if running:
+            masks = self.grammars.start(candidates)
+            decode = [s for s in running if not s.prefilling]
+            budget = self.generation.max_num_batched_tokens
+            if budget is not None:  # decodes first; a prefill always gets a token
+                budget = max(budget - len(decode), 1)
+            parts, seqs = [], []
+            chunked = [s for s in running if s.prefilling]
+            logits, done, decoded = self._prefill(new, chunked, budget, decode)
+            if done:
+                parts.append(logits)
+                seqs += done
+            if decoded is not None:
+                parts.append(decoded)
+                seqs += decode
+            elif decode:
                 parts.append(
                     model.decode(
                         cache,
-                        [s.slot for s in running],  # type: ignore[misc]
-                        [s.output_ids[-1] for s in running],
-                        [s.num_tokens - 1 for s in running],
+                        [s.slot for s in decode],  # type: ignore[misc]
+                        [s.output_ids[-1] for s in decode],
+                        [s.num_tokens - 1 for s in decode],
                     )
                 )
+                seqs += decode
+            if not seqs:
+                if masks is not None:
+                    masks.settle()  # every sequence is still prefilling: no mask is used
+                return [None] * (len(new) + len(running))
             logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-            tokens = sample(logits, seqs, masks.wait() if masks is not None else None)
+            allowed = None if masks is None else _rows_of(masks.wait(), candidates, seqs)
+            tokens = sample(logits, seqs, allowed)
             for s, logprob in zip(seqs, token_logprobs(logits, tokens, seqs), strict=True):
                 s.step_logprob = logprob
-            return tokens
+            by_seq = dict(zip(seqs, tokens, strict=True))
+            return [by_seq.get(s) for s in new + running]
         except BaseException:
             if masks is not None:
                 masks.settle()
             for s in new:
-                self.free(s)
+                self.free(s, holds=0)  # what its slot holds now is not known
             raise
 
-    def _prefill(self, new: list[Sequence]) -> torch.Tensor:
-        """The new sequences' prompts, each distinct one prefilled once: a sequence
-        whose prompt another of this step has (the choices of a request with
-        ``n`` > 1, or two clients' equal prompts) gets a copy of that one's KV
-        and its logits row. Returns one logits row per sequence, in order."""
-        first: dict[tuple[int, ...], int] = {}
+    def _prefill(
+        self,
+        new: list[Sequence],
+        chunked: list[Sequence],
+        budget: int | None,
+        decode: list[Sequence],
+    ) -> tuple[torch.Tensor, list[Sequence], torch.Tensor | None]:
+        """Give the new sequences their slots and prefill prompts, at most
+        ``budget`` tokens of them (None: all), ``chunked`` (already running,
+        partly prefilled) first. Returns the logits of the sequences whose
+        prompt is now all prefilled, those sequences, in that order, and with
+        chunked prefill the logits of ``decode`` (None: not decoded here).
+
+        With a budget, the chunks and the decodes run as one pass of the
+        weights (:meth:`DecoderModel.mixed`): a step then costs about a
+        decode step plus the chunk's attention, not a decode step plus a
+        prefill's.
+
+        Each distinct prompt is prefilled once: a sequence whose prompt
+        another of this step has (the choices of a request with ``n`` > 1, or
+        two clients' equal prompts) gets a copy of that one's KV and its
+        logits row, when that one's prefill ends in this step (otherwise it
+        is prefilled on its own, in chunks). With prefix caching, a prompt
+        starts after the longest cached prefix the prefix cache finds
+        (:mod:`.prefix_cache`): every copy of a prefix is made before the
+        model runs, while its source positions are still as recorded."""
+        cache, prefix = self.cache, self._prefix
+        first: dict[tuple[int, ...], Sequence] = {}
         owners: list[Sequence] = []  # the first sequence of each distinct prompt
-        rows: list[int] = []  # each sequence's row among the owners'
+        followers: list[tuple[Sequence, Sequence]] = []  # (sequence, its owner)
         for s in new:
             key = tuple(s.prompt_ids)
-            row = first.get(key)
-            if row is None:
-                row = first[key] = len(owners)
+            owner = first.get(key)
+            if owner is None:
+                first[key] = s
                 owners.append(s)
-            rows.append(row)
-        logits = self.model.prefill(
-            self.cache,
-            [s.slot for s in owners],
-            [s.prompt_ids for s in owners],  # type: ignore[misc]
-        )
-        if len(owners) == len(new):
-            return logits
-        for s, row in zip(new, rows, strict=True):
-            owner = owners[row]
-            if s is not owner:
-                self.cache.copy(owner.slot, s.slot, len(s.prompt_ids))  # type: ignore[arg-type]
-        return logits[torch.tensor(rows, device=logits.device)]
+                if prefix is not None:
+                    place = prefix.place(s.prompt_ids)
+                    s.slot, s.cached_tokens = cache.alloc(place.slot), place.cached
+                    if place.copy_from is not None:
+                        cache.copy(place.copy_from, place.slot, place.cached)
+                else:
+                    s.slot = cache.alloc()
+                s.prefilled = s.cached_tokens
+            else:
+                s.slot = cache.alloc(None if prefix is None else prefix.place(()).slot)
+                followers.append((s, owner))
+        rows: list[tuple[Sequence, int]] = []  # (sequence, tokens fed now)
+        left = budget
+        for s in (*chunked, *owners):
+            take = len(s.prompt_ids) - s.prefilled
+            if left is not None:
+                take = min(take, left)
+                left -= take
+            if take > 0:
+                rows.append((s, take))
+        done: list[Sequence] = []
+        picks: list[int] = []
+        logits, decoded = torch.empty(0), None
+        if rows and decode and budget is not None:
+            both = self.model.mixed(
+                cache,
+                [
+                    (s.slot, s.prompt_ids[s.prefilled : s.prefilled + n], s.prefilled)
+                    for s, n in rows
+                ],  # type: ignore[misc]
+                [s.slot for s in decode],  # type: ignore[misc]
+                [s.output_ids[-1] for s in decode],
+                [s.num_tokens - 1 for s in decode],
+            )
+            logits, decoded = both[: len(rows)], both[len(rows) :]
+        elif rows:
+            logits = self.model.prefill(
+                cache,
+                [s.slot for s, _ in rows],  # type: ignore[misc]
+                [s.prompt_ids[s.prefilled : s.prefilled + n] for s, n in rows],
+                [s.prefilled for s, _ in rows],
+            )
+        for row, (s, n) in enumerate(rows):
+            s.prefilled += n
+            if prefix is not None:
+                prefix.filled(s.slot, s.prompt_ids[: s.prefilled])  # type: ignore[arg-type]
+            if not s.prefilling:
+                done.append(s)
+                picks.append(row)
+        for s, owner in followers:
+            if owner.prefilling or owner not in done:
+                s.prefilled = 0  # its own prefill, from the next chunk on
+                continue
+            cache.copy(owner.slot, s.slot, len(s.prompt_ids))  # type: ignore[arg-type]
+            s.prefilled, s.cached_tokens = len(s.prompt_ids), owner.cached_tokens
+            if prefix is not None:
+                prefix.filled(s.slot, s.prompt_ids)  # type: ignore[arg-type]
+            done.append(s)
+            picks.append(picks[done.index(owner)])
+        if done and picks != list(range(len(rows))):
+            logits = logits[torch.tensor(picks, device=logits.device)]
+        return logits, done, decoded
 
     def _alone(self, seq: Sequence, is_new: bool) -> StepOutput:
         """One member of a failed step, run on its own; a failure is its own."""
@@ -361,15 +466,28 @@ class DecoderEngine:
             return self._failed(seq, exc)
         return self._settle(seq, token)
 
-    def _settle(self, seq: Sequence, token: int) -> StepOutput:
-        """Append ``token``; text handling that raises fails this sequence only."""
+    def _settle(self, seq: Sequence, token: int | None) -> StepOutput:
+        """Append ``token``; text handling that raises fails this sequence only.
+        No token: the sequence is still prefilling."""
+        if token is None:
+            return StepOutput(
+                seq.request_id,
+                -1,
+                "",
+                False,
+                None,
+                seq.prompt_tokens,
+                0,
+                cached_tokens=seq.cached_tokens,
+                prefilling=True,
+            )
         try:
             return self._append(seq, token)
         except Exception as exc:
             return self._failed(seq, exc)
 
     def _failed(self, seq: Sequence, exc: Exception) -> StepOutput:
-        self.free(seq)
+        self.free(seq, holds=0)
         log.warning("sequence '%s' failed on its own: %r", seq.request_id, exc)
         code = exc.code.value if isinstance(exc, AserveError) else "internal"
         return StepOutput(
@@ -382,11 +500,21 @@ class DecoderEngine:
             seq.completion_tokens,
             error=f"{type(exc).__name__}: {exc}",
             error_code=code,
+            cached_tokens=seq.cached_tokens,
         )
 
-    def free(self, seq: Sequence) -> None:
-        """Return a sequence's slot (a cancelled one, or after a failed step); idempotent."""
+    def free(self, seq: Sequence, holds: int | None = None) -> None:
+        """Return a sequence's slot (a cancelled one, or after a failed step); idempotent.
+
+        The prefix cache keeps what the slot holds: the K/V of the sequence's
+        first ``holds`` tokens, by default every token fed so far (the prompt
+        prefilled so far, and all generated tokens but the last, which no
+        step has fed yet)."""
         if seq.slot is not None:
+            if self._prefix is not None:
+                fed = seq.prefilled + max(0, len(seq.output_ids) - 1)
+                n = fed if holds is None else holds
+                self._prefix.release(seq.slot, (seq.prompt_ids + seq.output_ids)[:n])
             self.cache.free(seq.slot)
             seq.slot = None
 
@@ -425,6 +553,7 @@ class DecoderEngine:
             seq.prompt_tokens,
             seq.completion_tokens,
             logprob=seq.step_logprob,
+            cached_tokens=seq.cached_tokens,
         )
 
     def _release(self, seq: Sequence) -> str:
@@ -446,3 +575,16 @@ class DecoderEngine:
             model.decode(cache, [slot], [int(logits.argmax())], [1])
         finally:
             cache.free(slot)
+
+
+def _rows_of(allowed: Allowed, candidates: list[Sequence], seqs: list[Sequence]) -> Allowed | None:
+    """The masks filled for ``candidates`` (the step's sequences, in their order),
+    as rows of ``seqs`` (the ones that draw a token, in the logits' order)."""
+    rows, masks = allowed
+    where = {id(s): i for i, s in enumerate(seqs)}
+    pairs = [
+        (where[id(candidates[r])], j) for j, r in enumerate(rows) if id(candidates[r]) in where
+    ]
+    if not pairs:
+        return None
+    return [row for row, _ in pairs], masks[[j for _, j in pairs]]

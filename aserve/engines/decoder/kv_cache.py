@@ -50,17 +50,25 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def alloc(self) -> int:
-        """Take the lowest free slot; :class:`CacheFull` when none is left."""
+    def alloc(self, slot: int | None = None) -> int:
+        """Take ``slot`` (a free one the prefix cache chose), or the lowest free
+        slot; :class:`CacheFull` when none is left."""
         if not self._free:
             raise CacheFull(f"all {self.num_slots} KV-cache slots (max_num_seqs) are in use")
-        slot = heapq.heappop(self._free)
+        if slot is None:
+            slot = heapq.heappop(self._free)
+        elif slot in self._taken or not 0 <= slot < self.num_slots:
+            raise ValueError(f"KV-cache slot {slot} is not free")
+        else:
+            self._free.remove(slot)
+            heapq.heapify(self._free)
         self._taken.add(slot)
         return slot
 
     def free(self, slot: int) -> None:
         """Give a slot back. Its contents are left as they are: a slot's next
-        sequence overwrites every position it reads before reading it."""
+        sequence overwrites every position it reads before reading it, except
+        the prefix the prefix cache found there for it."""
         if slot not in self._taken:
             raise ValueError(f"KV-cache slot {slot} is not allocated")
         self._taken.remove(slot)

@@ -3,7 +3,8 @@
 Two entry points, both on the executor thread and under ``inference_mode``:
 
 - :meth:`DecoderModel.prefill` runs whole prompts of new sequences (ragged,
-  right-padded, causal) and writes their K/V into their cache slots;
+  right-padded, causal), or the part of each after a prefix already cached in
+  its slot, and writes their K/V into their cache slots;
 - :meth:`DecoderModel.decode` runs ONE token for every running sequence at
   once, each at its own position, attending only to its own slot's first
   ``position + 1`` entries.
@@ -106,45 +107,99 @@ class DecoderModel:
 
     @torch.inference_mode()
     def prefill(
-        self, cache: KVCache, slot_ids: Sequence[int], token_id_lists: Sequence[Sequence[int]]
+        self,
+        cache: KVCache,
+        slot_ids: Sequence[int],
+        token_id_lists: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Run new sequences' prompts; logits (n, vocab) of each last prompt token.
 
+        ``starts[j]`` (default 0) is how many of sequence ``j``'s first tokens
+        already have their K/V in its slot (a cached prefix):
+        ``token_id_lists[j]`` are the tokens after them, fed at positions
+        ``starts[j]`` on, attending to the slot's first ``starts[j]`` positions
+        too.
+
         Prompts are right-padded to the longest: with a causal mask, real
         tokens never see the padding after them, so each row equals running
-        that prompt alone. Padding K/V lands in slot positions past the
-        prompt, which decode overwrites before it ever reads them.
+        that prompt alone. Without a cached prefix, padding K/V lands in slot
+        positions past the prompt, which decode overwrites before it ever
+        reads them; with one, only the real tokens' K/V are written.
         """
         slots = list(slot_ids)
         if len(slots) != len(token_id_lists) or not slots:
             raise ValueError("prefill needs one prompt per slot, and at least one")
+        offsets = [0] * len(slots) if starts is None else list(starts)
+        if len(offsets) != len(slots):
+            raise ValueError("prefill needs one start per slot")
         cache.check_slots(slots)
         lengths = [len(t) for t in token_id_lists]
-        for n in lengths:
+        for n, start in zip(lengths, offsets, strict=True):
             if n == 0:
                 raise ValueError("cannot prefill an empty prompt")
-            cache.check_length(n)
+            cache.check_length(start + n)
         batch, width = len(slots), max(lengths)
         ids = torch.zeros((batch, width), dtype=torch.long)
         for row, tokens in enumerate(token_id_lists):
             ids[row, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
         ids = ids.to(self.device)
-        pos = torch.arange(width, device=self.device).expand(batch, width)
         slot_t = torch.tensor(slots, device=self.device)
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        scales = self.spec.attn_scales
+        if not any(offsets):
+            pos = torch.arange(width, device=self.device).expand(batch, width)
+
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                cache.k[i][slot_t, :, :width] = k
+                cache.v[i][slot_t, :, :width] = v
+                if group > 1:
+                    k = k.repeat_interleave(group, dim=1)
+                    v = v.repeat_interleave(group, dim=1)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scales[i])
+
+        else:
+            pos, attend = self._offset_attend(cache, slot_t, offsets, lengths, width)
+        hidden = self._blocks(ids, pos, attend)
+        last = torch.tensor(lengths, device=self.device) - 1
+        return self._logits(hidden[torch.arange(batch, device=self.device), last])
+
+    def _offset_attend(
+        self,
+        cache: KVCache,
+        slot_t: torch.Tensor,
+        starts: list[int],
+        lengths: list[int],
+        width: int,
+    ) -> tuple[torch.Tensor, _Attend]:
+        """Positions and attention for a prefill after cached prefixes: row
+        ``b``'s query ``j`` is at position ``starts[b] + j`` and sees its slot's
+        positions up to that one. Only real tokens' K/V are written (a padded
+        row's padding could run past ``max_model_len``)."""
+        dev = self.device
+        start_t = torch.tensor(starts, device=dev)
+        pos = start_t[:, None] + torch.arange(width, device=dev)[None, :]
+        real = torch.arange(width, device=dev)[None, :] < torch.tensor(lengths, device=dev)[:, None]
+        rows, cols = real.nonzero(as_tuple=True)
+        dest_slots, dest_pos = slot_t[rows], pos[rows, cols]
+        span = max(s + n for s, n in zip(starts, lengths, strict=True))
+        # (B, 1, width, span): key position <= the query's position.
+        mask = (torch.arange(span, device=dev)[None, None, :] <= pos[:, :, None])[:, None]
+        pos = pos.clamp(max=cache.max_len - 1)  # padding rows' positions, never attended to
         group = self.spec.num_heads // self.spec.num_kv_heads
         scales = self.spec.attn_scales
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.k[i][slot_t, :, :width] = k
-            cache.v[i][slot_t, :, :width] = v
+            kc, vc = cache.k[i], cache.v[i]
+            kc[dest_slots, :, dest_pos] = k[rows, :, cols]
+            vc[dest_slots, :, dest_pos] = v[rows, :, cols]
+            ks, vs = kc[slot_t, :, :span], vc[slot_t, :, :span]
             if group > 1:
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scales[i])
+                ks = ks.repeat_interleave(group, dim=1)
+                vs = vs.repeat_interleave(group, dim=1)
+            return F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=scales[i])
 
-        hidden = self._blocks(ids, pos, attend)
-        last = torch.tensor(lengths, device=self.device) - 1
-        return self._logits(hidden[torch.arange(batch, device=self.device), last])
+        return pos, attend
 
     @torch.inference_mode()
     def decode(
@@ -164,11 +219,92 @@ class DecoderModel:
         batch = len(slots)
         if not (batch == len(last_tokens) == len(positions)) or not slots:
             raise ValueError("decode needs one token and one position per slot, and at least one")
+        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
+        pos_t, attend = self._decode_attend(cache, slots, positions)
+        hidden = self._blocks(ids, pos_t[:, None], attend)
+        return self._logits(hidden[:, 0])
+
+    @torch.inference_mode()
+    def mixed(
+        self,
+        cache: KVCache,
+        chunks: Sequence[tuple[int, Sequence[int], int]],
+        slot_ids: Sequence[int],
+        last_tokens: Sequence[int],
+        positions: Sequence[int],
+    ) -> torch.Tensor:
+        """Prompt chunks and decodes in ONE pass of the weights (a chunked
+        prefill's step); logits (len(chunks) + n, vocab): each chunk's last
+        token, then each decode's.
+
+        ``chunks`` are ``(slot, tokens, start)``: ``tokens`` fed at positions
+        ``start`` on, attending to the slot's first ``start`` positions too.
+        The decodes are :meth:`decode`'s. Every token runs through the linear
+        layers as one row of a single packed sequence (no padding); attention
+        is per chunk, over a view of its own slot, and batched for the decodes.
+        """
+        if not chunks or not slot_ids:
+            raise ValueError("a mixed step needs at least one chunk and one decode")
+        cache.check_slots([c[0] for c in chunks] + list(slot_ids))
+        dev = self.device
+        ids_l: list[int] = []
+        pos_l: list[int] = []
+        spans: list[tuple[int, int, int, int, torch.Tensor]] = []  # (slot, at, n, start, mask)
+        for slot, tokens, start in chunks:
+            n = len(tokens)
+            if n == 0:
+                raise ValueError("cannot prefill an empty chunk")
+            cache.check_length(start + n)
+            # (n, start + n): key position <= the query's position.
+            mask = (
+                torch.arange(start + n, device=dev)[None, :]
+                <= (start + torch.arange(n, device=dev))[:, None]
+            )
+            spans.append((slot, len(ids_l), n, start, mask))
+            ids_l += tokens
+            pos_l += range(start, start + n)
+        at = len(ids_l)
+        _, dattend = self._decode_attend(cache, list(slot_ids), positions)
+        ids = torch.tensor([*ids_l, *last_tokens], dtype=torch.long, device=dev)[None, :]
+        pos = torch.tensor([*pos_l, *positions], dtype=torch.long, device=dev)[None, :]
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        scales = self.spec.attn_scales
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc = cache.k[i], cache.v[i]
+            outs = []
+            for slot, a, n, start, mask in spans:
+                kc[slot, :, start : start + n] = k[0, :, a : a + n]
+                vc[slot, :, start : start + n] = v[0, :, a : a + n]
+                ks, vs = kc[slot : slot + 1, :, : start + n], vc[slot : slot + 1, :, : start + n]
+                if group > 1:
+                    ks = ks.repeat_interleave(group, dim=1)
+                    vs = vs.repeat_interleave(group, dim=1)
+                outs.append(
+                    F.scaled_dot_product_attention(
+                        q[:, :, a : a + n], ks, vs, attn_mask=mask, scale=scales[i]
+                    )
+                )
+            # The decodes' (1, heads, d, hd) as decode's (d, heads, 1, hd), and back.
+            qd, kd, vd = (x[0, :, at:].transpose(0, 1).unsqueeze(2) for x in (q, k, v))
+            outs.append(dattend(i, qd, kd, vd).squeeze(2).transpose(0, 1).unsqueeze(0))
+            return torch.cat(outs, dim=2)
+
+        hidden = self._blocks(ids, pos, attend)
+        last = [a + n - 1 for _, a, n, _, _ in spans] + list(range(at, ids.shape[1]))
+        return self._logits(hidden[0, torch.tensor(last, device=dev)])
+
+    def _decode_attend(
+        self, cache: KVCache, slots: list[int], positions: Sequence[int]
+    ) -> tuple[torch.Tensor, _Attend]:
+        """Positions and attention of one token per slot, fed at ``positions``:
+        q, k, v (B, heads or kv_heads, 1, hd); each attends to its own slot's
+        positions up to its own."""
+        batch = len(slots)
         cache.check_slots(slots)
         for p in positions:
             cache.check_length(p + 1)
         span = max(positions) + 1  # attention reads only this much of each slot
-        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device)[:, None]
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         slot_t = torch.tensor(slots, device=self.device)
         first = slots[0]
@@ -195,8 +331,7 @@ class DecoderModel:
             )
             return out.reshape(batch, spec.num_heads, 1, hd)
 
-        hidden = self._blocks(ids, pos_t[:, None], attend)
-        return self._logits(hidden[:, 0])
+        return pos_t, attend
 
     # --- the transformer ---------------------------------------------------------
 

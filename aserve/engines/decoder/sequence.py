@@ -38,6 +38,8 @@ class Sequence:
     grammar: llguidance.LLMatcher | None = field(init=False, default=None, repr=False)
     output_ids: list[int] = field(default_factory=list)
     slot: int | None = None  # KV-cache slot while running
+    cached_tokens: int = 0  # prompt tokens whose K/V the prefix cache gave it
+    prefilled: int = 0  # prompt tokens whose K/V are in its slot (cached ones included)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     # The last sampled token's log probability and alternatives, if asked for.
@@ -46,6 +48,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        """Started, its prompt not all prefilled yet (a chunked prefill)."""
+        return self.slot is not None and self.prefilled < len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -348,16 +348,21 @@ class _Choice:
         return sum(float(lp) for lp, _ in self.logprobs)
 
 
-def _usage(lasts: list[Delta | None]) -> dict[str, int]:
-    """Usage of a request's choices: the prompt once, every choice's tokens."""
+def _usage(lasts: list[Delta | None]) -> dict[str, Any]:
+    """Usage of a request's choices: the prompt once, every choice's tokens, and
+    the prompt tokens the prefix cache gave (the first choice's: the others
+    copied its prompt)."""
+    first = next((d for d in lasts if d is not None), None)
+    cached = {"cached_tokens": first.cached_tokens if first else 0}
     if len(lasts) == 1:
-        return usage(lasts[0])
-    prompt = next((d.prompt_tokens for d in lasts if d is not None), 0)
+        return {**usage(lasts[0]), "prompt_tokens_details": cached}
+    prompt = first.prompt_tokens if first else 0
     completion = sum(d.completion_tokens for d in lasts if d is not None)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": cached,
     }
 
 
