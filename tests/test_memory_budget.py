@@ -432,6 +432,60 @@ async def test_loads_on_a_budgeted_device_run_one_at_a_time(folder: Path) -> Non
             assert index["a"]["memory"]["footprint_overlapped"] is False
 
 
+async def test_an_evicted_model_is_parked_and_its_weights_read_back(
+    folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An evicted TorchScript model releases its weights and keeps its module: its
+    next load reads them back (a restore, no fresh load), the same answers, the
+    rest it keeps counted against the budget; its file changed meanwhile, it is
+    loaded anew."""
+    caplog.set_level(logging.INFO, logger="aserve")
+    original = (folder / "w2.pt").resolve()
+    (folder / "w2.pt").unlink()
+    shutil.copy(original, folder / "w2.pt")  # a copy of its own: touched below
+    models = [torch_model("a", "w1.pt"), torch_model("b", "w2.pt"), torch_model("c", "w3.pt")]
+    async with in_process({**budget(), "models": models}, folder) as srv:
+        async with aiohttp.ClientSession() as session:
+            c = Client(session, srv)
+            for name in ["a"] * HOT + ["b", "c"]:  # c's load evicts b, asked once
+                status, body = await c.infer(name)
+                assert status == 200, body
+            index = await c.index()
+            assert _state(index, "b")[1] == "evicted: to make room for model 'c/1'"
+            (entry,) = [e for e in srv.server.memory.device("cpu").entries() if e.parked]
+            assert entry.record.label == "b/1" and entry.footprint_mib < 2  # its module alone
+            assert c.used_mib() <= BUDGET_MIB
+            # b again: c leaves, b's weights are read back into its kept module.
+            status, body = await c.infer("b", 0.0)
+            assert status == 200 and body["outputs"][0]["data"] == [2.0] * 4
+            memory = (await c.index())["b"]["memory"]
+            assert memory["loads"]["ok"] == 2 and memory["restores"] == 1
+            assert memory["footprint_mib"] >= WEIGHT_MIB
+            assert c.used_mib() <= BUDGET_MIB
+            text = await c.metrics()
+            assert 'aserve_model_restores_total{model="b",version="1"} 1.0' in text
+            assert 'aserve_model_restores_total{model="a",version="1"} 0.0' in text
+            # Evicted again, then its file changes: loaded anew, not read back.
+            status, body = await c.infer("c", 0.0)
+            assert status == 200 and body["outputs"][0]["data"] == [3.0] * 4
+            assert (await c.index())["b"]["state"] == "UNAVAILABLE"
+            st = (folder / "w2.pt").stat()
+            os.utime(folder / "w2.pt", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+            status, body = await c.infer("b", 0.0)
+            assert status == 200 and body["outputs"][0]["data"] == [2.0] * 4
+            memory = (await c.index())["b"]["memory"]
+            assert memory["loads"]["ok"] == 3 and memory["restores"] == 1
+            assert c.used_mib() <= BUDGET_MIB
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        m.startswith("model b/1 parked on cpu: 64.0 MiB of weights released") for m in messages
+    )
+    assert any("its weights read back into the kept module" in m for m in messages)
+    assert any(
+        m.startswith("model b/1 is loaded anew: the model file w2.pt changed") for m in messages
+    )
+
+
 # --- failures -----------------------------------------------------------------
 
 

@@ -66,3 +66,15 @@ class Engine(abc.ABC):
 
     def unload(self) -> None:  # noqa: B027 - optional hook
         """Release the model's memory."""
+
+    def park(self) -> int | None:
+        """Release the weights' memory but keep the loaded model, for :meth:`unpark`
+        to read them back (an evicted model's fast reload); the bytes released,
+        or None where this engine cannot (then the caller unloads it). Called
+        off the loop, with no batch running."""
+        return None
+
+    def unpark(self) -> None:
+        """Read back the weights :meth:`park` released; raise when they cannot be
+        (the caller then unloads the model and loads it anew)."""
+        raise NotImplementedError(f"{type(self).__name__} does not park")

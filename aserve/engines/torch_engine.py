@@ -28,6 +28,7 @@ from aserve.engines.base import Engine
 from aserve.engines.export_file import load_exported_program
 from aserve.engines.export_io import export_tensors
 from aserve.engines.io_specs import reconcile
+from aserve.engines.weight_park import WeightPark
 from aserve.types.tensors import numpy_dtype
 
 log = logging.getLogger("aserve.engines.torch")
@@ -54,6 +55,7 @@ class TorchEngine(Engine):
         # On the CPU an instance is only thread settings: tiny batches may run on the loop.
         self.inline_capable = self.device.type == "cpu"
         self._module: Any = None
+        self._park: WeightPark | None = None  # found at the first park (TorchScript only)
         self._in_names = [s.name for s in config.inputs]
         self._out_names = [s.name for s in config.outputs]
 
@@ -201,7 +203,28 @@ class TorchEngine(Engine):
             )
         return list(result)
 
+    def park(self) -> int | None:
+        """A TorchScript module's weights released, the module kept
+        (:mod:`aserve.engines.weight_park`); a ``.pt2`` program cannot."""
+        # Captured CUDA graphs hold the weights' addresses: read back elsewhere,
+        # a replay would read freed memory.
+        if self._module is None or self.model_path.suffix == ".pt2" or self.config.cuda_graphs:
+            return None
+        if self._park is None:
+            self._park = WeightPark.plan(self._module, self.model_path)
+            if self._park is None:
+                return None
+        released = self._park.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return released
+
+    def unpark(self) -> None:
+        assert self._park is not None and self._park.parked
+        self._park.restore(self.device)
+
     def unload(self) -> None:
         self._module = None
+        self._park = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -42,7 +42,7 @@ class OnDemand(Protocol):
     @property
     def busy(self) -> bool: ...
     async def until_idle(self, timeout_s: float) -> bool: ...
-    async def evict(self, reason: str) -> None: ...
+    async def evict(self, reason: str) -> int | None: ...
 
 
 @dataclass
@@ -58,6 +58,7 @@ class ModelMemory:
     load_s: float | None = None  # its last load's time, measured
     loads: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0, "cancelled": 0})
     evictions: int = 0
+    restores: int = 0  # of the ok loads, those that read a parked runtime's weights back
     last_error: str | None = None
     load_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_BUCKETS_S))
     # Its requests' recent rate (time.monotonic()), noted by its on-demand runtime
@@ -100,6 +101,7 @@ class ModelMemory:
             "expected_load_s": round(self.expected_load_s(), 3),
             "loads": dict(self.loads),
             "evictions": self.evictions,
+            "restores": self.restores,
             "last_error": self.last_error,
         }
 
@@ -116,6 +118,7 @@ class Held:
     footprint_mib: float
     owner: OnDemand | None  # None: loaded at startup or by a reload, never evicted
     record: ModelMemory
+    parked: bool = False  # evicted with its weights released: what it still holds
 
 
 class LoadCount:
@@ -159,7 +162,10 @@ class DeviceMemory:
     def entries(self) -> list[Held]:
         """The models loaded now. A runtime unloaded by whoever owned it (a reload's
         retired one, the stop) holds nothing and leaves here at the next look."""
-        for key in [k for k, e in self._held.items() if e.runtime.state is ModelState.UNAVAILABLE]:
+        for key in [
+            k for k, e in self._held.items()
+            if e.runtime.state is ModelState.UNAVAILABLE and not (e.parked and e.runtime.parked)
+        ]:  # fmt: skip
             del self._held[key]
         return list(self._held.values())
 
@@ -168,6 +174,11 @@ class DeviceMemory:
 
     def hold(self, entry: Held) -> None:
         self._held[id(entry.runtime)] = entry
+
+    def held_mib(self, runtime: Runtime) -> float:
+        """What ``runtime`` is held to hold now (a parked one's rest; 0: none)."""
+        entry = self._held.get(id(runtime))
+        return entry.footprint_mib if entry is not None else 0.0
 
     def forget(self, runtime: Runtime) -> None:
         self._held.pop(id(runtime), None)

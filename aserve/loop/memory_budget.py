@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -219,12 +220,15 @@ class MemoryBudget:
         # holds the budget all the same. An on-demand one, the estimate: its loads
         # come while serving, and the budget is to hold while it loads too.
         assumed = rec.need_mib() if owner is not None else rec.floor_mib()
+        # A parked runtime holds its rest already: its load needs the weights alone.
+        kept = dev.held_mib(runtime)
+        assumed = max(0.0, assumed - kept)
         try:
             await self._make_room(dev, assumed, rec.label, runtime)
         except NoRoom as exc:
             # An estimate that cannot fit where the files can: tried on the files'
             # size, its measure once loaded deciding (as for a startup model).
-            floor = rec.floor_mib()
+            floor = max(0.0, rec.floor_mib() - kept)
             try:
                 if floor >= assumed:
                     raise
@@ -238,6 +242,7 @@ class MemoryBudget:
         footprint, method, load_s, overlapped = await self._measured(
             dev, runtime, rec, timeout_s, why
         )
+        footprint += kept
         # Held before the check: the room made next must count it.
         dev.hold(Held(runtime, footprint, owner, rec))
         if dev.used_mib() > dev.budget_mib:
@@ -309,6 +314,7 @@ class MemoryBudget:
         rec.footprint_mib, rec.method, rec.overlapped = footprint, method, overlapped
         rec.load_s = load_s
         rec.loads["ok"] += 1
+        rec.restores += runtime.restored
         rec.last_error = None
         rec.load_seconds.observe(load_s)
         runtime.stats.memory = rec.doc()
@@ -374,7 +380,18 @@ class MemoryBudget:
             )  # fmt: skip
             victim.record.evictions += 1
             dev.forget(victim.runtime)
-            await victim.owner.evict(f"to make room for model '{label}'")
+            released = await victim.owner.evict(f"to make room for model '{label}'")
+            if released is not None:
+                # Parked: what its load measured, less the weights it released (its
+                # compiled module, a few KiB to MiB), is still held; evicted again,
+                # it is unloaded.
+                rest = max(0.0, victim.footprint_mib - released / MIB)
+                dev.hold(replace(victim, footprint_mib=rest, parked=True))
+                log.info(
+                    "model %s parked on %s: %.1f MiB of weights released, %.1f MiB kept "
+                    "(its module, for a load that reads the weights back)",
+                    victim.record.label, dev.name, released / MIB, rest,
+                )  # fmt: skip
             if not dev.name.startswith("cuda"):
                 await run_off_loop("returning an evicted model's memory", release_freed_memory)
 
@@ -431,7 +448,7 @@ class MemoryBudget:
                 "name": key[0], "version": key[1], "device": rec.device,
                 "state": rt.state.value if rt is not None else "UNAVAILABLE",
                 "footprint_mib": rec.footprint_mib, "method": rec.method,
-                "loads": dict(rec.loads), "evictions": rec.evictions,
+                "loads": dict(rec.loads), "evictions": rec.evictions, "restores": rec.restores,
                 "load_seconds": rec.load_seconds,
             })  # fmt: skip
         return {"devices": devices, "models": models}

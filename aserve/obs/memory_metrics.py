@@ -46,6 +46,12 @@ class MemoryCollector(Collector):
             "Times the model was unloaded to make room under its device's memory budget.",
             labels=mv,
         )
+        restores = CounterMetricFamily(
+            "aserve_model_restores",
+            "Loads of the model that read its weights back into the module its eviction "
+            "kept (counted among the ok loads too).",
+            labels=mv,
+        )
         load_time = HistogramMetricFamily(
             "aserve_model_load_duration_seconds",
             "Time of each successful load and warm-up of the model.",
@@ -64,6 +70,7 @@ class MemoryCollector(Collector):
             for result, n in sorted(m["loads"].items()):
                 loads.add_metric([*labels, result], float(n))
             evictions.add_metric(labels, float(m["evictions"]))
+            restores.add_metric(labels, float(m["restores"]))
             hist = m["load_seconds"]
             load_time.add_metric(labels, hist.cumulative(), hist.sum)
             if m["footprint_mib"] is not None:
@@ -82,4 +89,4 @@ class MemoryCollector(Collector):
             if d["budget_mib"] is not None:
                 budget.add_metric([d["name"]], float(d["budget_mib"]) * MIB)
             used.add_metric([d["name"]], d["used_mib"] * MIB)
-        yield from (state, loads, evictions, load_time, footprint, budget, used)
+        yield from (state, loads, evictions, restores, load_time, footprint, budget, used)

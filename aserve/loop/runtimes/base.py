@@ -134,6 +134,20 @@ class Runtime(abc.ABC):
         if reason is not None:
             raise Unavailable(reason)
 
+    # Whether its last load read a parked runtime's weights back (no fresh load).
+    restored = False
+
+    @property
+    def parked(self) -> bool:
+        """Its weights released and the rest kept (an evicted on-demand model's
+        runtime, see ``ModelRuntime.park``) until its next load reads them back."""
+        return False
+
+    async def park(self) -> int | None:
+        """Release the weights, keep the rest for a fast load; the bytes released,
+        or None where it cannot (the caller then unloads it)."""
+        return None
+
     # --- draining ---------------------------------------------------------------
 
     @property

@@ -20,6 +20,7 @@ from aserve.codecs.sequence import refuse_sequence
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines import builtin, create_engine
 from aserve.engines.base import Engine
+from aserve.engines.weight_park import ParkError
 from aserve.errors import InvalidArgument, Unavailable
 from aserve.loop.batcher import Batcher
 from aserve.loop.device_scheduler import DeviceScheduler
@@ -93,6 +94,7 @@ class ModelRuntime(Runtime):
         self._pool: EnginePool | None = None
         self.batcher: Batcher | None = None
         self._device: DeviceScheduler | None = None  # the shared device it runs on, if any
+        self._parked = False  # its weights released, the rest kept (park)
 
     def not_ready_reason(self) -> str | None:
         """Why the model cannot take requests now, or None when it can.
@@ -123,11 +125,67 @@ class ModelRuntime(Runtime):
         return builtin.locate(path, self._base_dir)
 
     async def load(self) -> None:
-        """Load, start the instances and warm up; the model is READY afterwards."""
+        """Load, start the instances and warm up; the model is READY afterwards.
+        A parked one (:meth:`park`) reads its weights back instead, no warm-up
+        (its module and latency estimates were kept); a file changed since it
+        was loaded is loaded anew."""
         t0 = time.perf_counter()
+        self.restored = False
+        if self._parked:
+            if await self._unpark():
+                self.restored = True
+                self.serving(self.model_path(), t0, "its weights read back into the kept module")
+                return
         path = await self.start()
         await self.warm_up()
         self.serving(path, t0)
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
+
+    async def park(self) -> int | None:
+        """Release the weights, keep the engine, its instances and batcher
+        (:meth:`aserve.engines.base.Engine.park`): an evicted on-demand model
+        that :meth:`load` reads back in a fraction of a load. The bytes
+        released, or None when this runtime cannot park (then unload it).
+        Only an idle runtime on instance threads parks."""
+        pool = self._pool
+        if (
+            pool is None or self._make_pool is not None or self.config.executor != "thread"
+            or self.state is not ModelState.READY or self.busy
+        ):  # fmt: skip
+            return None
+        self.state = ModelState.UNLOADING  # no batch starts while it releases
+        try:
+            released = await run_off_loop(
+                f"releasing the weights of model '{self.label}'", pool.engine.park
+            )
+        except BaseException:
+            self.state = ModelState.READY  # nothing was released: still whole
+            raise
+        if released is None:
+            self.state = ModelState.READY
+            return None
+        self._parked = True
+        self.state = ModelState.UNAVAILABLE
+        return released
+
+    async def _unpark(self) -> bool:
+        """The parked weights read back (READY is the caller's to set); False when
+        the file changed, with the runtime stopped for a fresh load."""
+        assert self._pool is not None
+        self.load_step = "reading its weights back"
+        try:
+            await run_off_loop(f"reading back the weights of model '{self.label}'",
+                               self._pool.engine.unpark)  # fmt: skip
+        except ParkError as exc:
+            log.info("model %s is loaded anew: %s", self.label, exc)
+            self._parked = False
+            await self._stop()
+            return False
+        self._parked = False
+        return True
 
     async def start(self) -> Path | None:
         """Load the engine and start the instances and the batcher (not READY yet:
@@ -200,15 +258,16 @@ class ModelRuntime(Runtime):
             raise
         return pool
 
-    def serving(self, path: Path | None, t0: float) -> None:
-        """Started and warmed up (since ``perf_counter()`` ``t0``): READY."""
+    def serving(self, path: Path | None, t0: float, how: str = "") -> None:
+        """Started and warmed up (since ``perf_counter()`` ``t0``), or read back
+        (``how``): READY."""
         assert self.batcher is not None
         self.state = ModelState.READY
         log.info(
-            "model %s loaded from %s on %s (%d instance(s), %s executor, %.2fs); batch latency %s",
+            "model %s loaded from %s on %s (%d instance(s), %s executor, %.2fs%s); batch latency %s",
             self.label, path or self.config.handler, self.config.device, self.config.instances,
             self.config.executor,
-            time.perf_counter() - t0,
+            time.perf_counter() - t0, f"; {how}" if how else "",
             {k: f"{v * 1e3:.2f}ms" for k, v in self.batcher.latency.snapshot().items()},
         )  # fmt: skip
 

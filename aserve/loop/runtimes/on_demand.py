@@ -90,6 +90,7 @@ class OnDemandRuntime(Runtime):
         self.pinned = False  # an explicit repository load: resident until unloaded
         self._leaving = False  # being replaced by a reload: may make room for its successor
         self._inner: Runtime | None = None  # the loaded runtime
+        self._parked: Runtime | None = None  # evicted, its weights released (Runtime.park)
         self._loading: Runtime | None = None  # the runtime its load in progress loads
         self._load: asyncio.Task[Runtime] | None = None
         self._failed_at: float | None = None
@@ -181,9 +182,9 @@ class OnDemandRuntime(Runtime):
 
     def reconfigure(self, config: ModelConfig) -> None:
         super().reconfigure(config)
-        inner = self._inner
-        if inner is not None:  # its config keeps its own "resident", which it never reads
-            inner.reconfigure(config.model_copy(update={"resident": inner.config.resident}))
+        for inner in (self._inner, self._parked):
+            if inner is not None:  # its config keeps its own "resident", which it never reads
+                inner.reconfigure(config.model_copy(update={"resident": inner.config.resident}))
 
     def share(self, device: DeviceScheduler | None) -> None:
         self._device = device
@@ -225,8 +226,10 @@ class OnDemandRuntime(Runtime):
             load.cancel()
             await asyncio.wait([load])
         inner, self._inner = self._inner, None
-        if inner is not None:
-            await inner.unload()
+        parked, self._parked = self._parked, None
+        for runtime in (inner, parked):
+            if runtime is not None:
+                await runtime.unload()
 
     # --- loading and eviction ---------------------------------------------------
 
@@ -314,7 +317,10 @@ class OnDemandRuntime(Runtime):
 
     def _start_load(self, why: str) -> None:
         self.state = ModelState.LOADING
-        inner = self._loading = self._fresh(self.config)
+        # A parked runtime reads its weights back (its load falls back to a fresh
+        # one when it cannot); else a new runtime of the engine.
+        inner, self._parked = self._parked or self._fresh(self.config), None
+        self._loading = inner
         inner.use_stats(self.stats)  # one set of statistics across its loads
         task = asyncio.create_task(self._run_load(inner, why), name=f"aserve-load-{self.label}")
         task.add_done_callback(_retrieved)
@@ -347,16 +353,29 @@ class OnDemandRuntime(Runtime):
         self._load = self._loading = None
         return inner
 
-    async def evict(self, reason: str) -> None:
-        """Unload the loaded runtime to make room (the budget chose it: idle).
+    async def evict(self, reason: str) -> int | None:
+        """Make room (the budget chose it: idle): park the loaded runtime where it
+        can (its weights released, its compiled module, instances and latency
+        estimates kept: the next load reads the weights back), else unload it;
+        the bytes a park released, None when it unloaded. Evicted while parked,
+        the parked runtime is unloaded.
 
         Detached before the first await: a request that comes meanwhile starts
-        a fresh load, which waits for the device's lock this eviction holds."""
+        a load, which waits for the device's lock this eviction holds."""
         inner, self._inner = self._inner, None
         self.state = ModelState.UNAVAILABLE
         self.why = f"evicted: {reason}"
-        if inner is not None:
+        if inner is None:
+            parked, self._parked = self._parked, None
+            if parked is not None:
+                await parked.unload()
+            return None
+        released = await inner.park()
+        if released is None:
             await inner.unload()
+            return None
+        self._parked = inner
+        return released
 
     # --- what is reported -------------------------------------------------------
 
