@@ -56,6 +56,7 @@ class ModelMemory:
     method: str = ""  # how: cuda_allocator, rss, children_rss, file_size
     overlapped: bool = False  # another load on the device ran meanwhile
     load_s: float | None = None  # its last load's time, measured
+    full_s: float | None = None  # its last load's that was not a restore
     loads: dict[str, int] = field(default_factory=lambda: {"ok": 0, "failed": 0, "cancelled": 0})
     evictions: int = 0
     restores: int = 0  # of the ok loads, those that read a parked runtime's weights back
@@ -82,6 +83,11 @@ class ModelMemory:
         if self.load_s is not None:
             return self.load_s
         return estimate_load_s(self.file_bytes or 0)
+
+    def full_load_s(self) -> float:
+        """How long a load of it that is not a restore takes (a parked model's
+        next load, once it is unloaded): its last, else as expected."""
+        return self.full_s if self.full_s is not None else self.expected_load_s()
 
     def mean_load_s(self) -> float:
         """How long a load of it takes, for what evicting it costs: the mean of its

@@ -315,6 +315,8 @@ class MemoryBudget:
         rec.load_s = load_s
         rec.loads["ok"] += 1
         rec.restores += runtime.restored
+        if not runtime.restored:
+            rec.full_s = load_s
         rec.last_error = None
         rec.load_seconds.observe(load_s)
         runtime.stats.memory = rec.doc()
@@ -347,7 +349,8 @@ class MemoryBudget:
                         e.owner.busy if e.owner is not None else e.runtime.busy
                     ),
                     rate_per_s=e.record.requests.per_s(now),
-                    load_s=e.record.mean_load_s(),
+                    # Parked, it is unloaded if evicted: its next load is a full one.
+                    load_s=e.record.full_load_s() if e.parked else e.record.mean_load_s(),
                 )
                 for i, e in enumerate(entries)
             ]  # fmt: skip
@@ -381,19 +384,23 @@ class MemoryBudget:
             victim.record.evictions += 1
             dev.forget(victim.runtime)
             released = await victim.owner.evict(f"to make room for model '{label}'")
-            if released is not None:
-                # Parked: what its load measured, less the weights it released (its
-                # compiled module, a few KiB to MiB), is still held; evicted again,
-                # it is unloaded.
-                rest = max(0.0, victim.footprint_mib - released / MIB)
-                dev.hold(replace(victim, footprint_mib=rest, parked=True))
-                log.info(
-                    "model %s parked on %s: %.1f MiB of weights released, %.1f MiB kept "
-                    "(its module, for a load that reads the weights back)",
-                    victim.record.label, dev.name, released / MIB, rest,
-                )  # fmt: skip
             if not dev.name.startswith("cuda"):
                 await run_off_loop("returning an evicted model's memory", release_freed_memory)
+            if released is not None:
+                self._parked(dev, victim, released)
+
+    def _parked(self, dev: DeviceMemory, victim: Held, released: int) -> None:
+        """Hold what a parked model still holds: its footprint as its load measured
+        it, less the weights it released (its compiled module, its instance
+        thread, its share of the load's measure: about a MiB for a small MLP on
+        the CPU). Evicted again, it is unloaded."""
+        rest = max(0.0, victim.footprint_mib - released / MIB)
+        dev.hold(replace(victim, footprint_mib=rest, parked=True))
+        log.info(
+            "model %s parked on %s: %.1f MiB of weights released, %.1f MiB kept "
+            "(its module, for a load that reads the weights back)",
+            victim.record.label, dev.name, released / MIB, rest,
+        )  # fmt: skip
 
     async def _wait_for_cheaper(
         self,
