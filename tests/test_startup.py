@@ -136,6 +136,12 @@ def test_live_but_not_ready_while_models_load(tmp_path):
             assert answer.status == health_pb2.HealthCheckResponse.SERVING
         status, doc = _post(f"{base}/v2/models/gated/infer", body)
         assert status == 200 and doc["outputs"][0]["data"] == [3.0], doc
+        # What startup made was frozen out of the collector's walks before ready.
+        while not any("model(s) serving" in line for line in lines):
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.02)
+        order = [line for line in lines if "objects frozen" in line or "model(s) serving" in line]
+        assert "objects frozen out of the collector's walks" in order[0], "".join(lines)
     finally:
         if not released:
             try:  # unblock the load so the server can stop
