@@ -84,9 +84,10 @@ class WeightPark:
                 if (
                     not isinstance(t, torch.Tensor)
                     or t.is_sparse
+                    or t.is_quantized
                     or t.untyped_storage().nbytes() == 0
                 ):
-                    continue
+                    continue  # kept as it is
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
                 view = (t, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
