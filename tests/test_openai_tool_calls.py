@@ -12,9 +12,11 @@ from typing import Any
 import lm_models
 import pytest
 
+from aserve.config import GenerationConfig
 from aserve.engines.decoder import grammar as engine_grammar
 from aserve.engines.decoder.grammar import Grammars
 from aserve.engines.decoder.tokenizer import Tokenizer
+from aserve.errors import TooLarge
 from aserve.frontends.http import openai_tools
 from aserve.frontends.http.openai_fields import FieldError
 from aserve.frontends.http.openai_tools import (
@@ -25,6 +27,7 @@ from aserve.frontends.http.openai_tools import (
     tool_plan,
     tools_text,
 )
+from aserve.loop.prompt_size import check_prompt_size
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -199,3 +202,20 @@ def test_a_tokenizer_without_added_tokens_is_left_as_it_is(tmp_path: Path) -> No
     folder = lm_models.tiny_model("gpt2", tmp_path.parent / "lms")
     text = (folder / "tokenizer.json").read_text()
     assert engine_grammar._plain_added_tokens(text) == text
+
+
+def test_a_block_that_is_not_a_call_stays_text() -> None:
+    # The grammar writes no such block; read without it, it is content.
+    text = "<tool_call>\n[1, 2]\n</tool_call>"
+    assert read_answer(text, "stop") == (text, [], "stop")
+
+
+def test_tools_and_history_calls_are_bounded_before_they_are_written() -> None:
+    big = [{"type": "function", "function": {"name": f"f{i}", "description": "d" * 4000}}
+           for i in range(100)]  # fmt: skip
+    with pytest.raises(FieldError, match=r"tools: \d+ bytes as JSON; at most"):
+        tool_plan(big, "none")
+    gen = GenerationConfig(max_prompt_bytes=1000)
+    call = {"id": "c", "function": {"name": "f", "arguments": "{" + " " * 2000 + "}"}}
+    with pytest.raises(TooLarge, match="messages"):
+        check_prompt_size(gen, messages=[{"role": "assistant", "tool_calls": [call]}])

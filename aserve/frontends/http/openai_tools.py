@@ -49,6 +49,9 @@ from aserve.frontends.http.openai_fields import FieldError
 from aserve.frontends.http.openai_format import MAX_SCHEMA_BYTES
 
 MAX_TOOLS = 128  # OpenAI's
+# The tools' JSON (names, descriptions, parameters), which a template or the
+# system text writes whole: bounded before that work, on the loop.
+MAX_TOOLS_BYTES = 4 * MAX_SCHEMA_BYTES
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -101,6 +104,14 @@ def tool_plan(
         return None, None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise FieldError("tools", f"tools: must be a list of at most {MAX_TOOLS} function tools")
+    try:
+        size = len(orjson.dumps(tools))
+    except orjson.JSONEncodeError as exc:
+        raise FieldError("tools", f"tools: cannot be written as JSON: {exc}") from None
+    if size > MAX_TOOLS_BYTES:
+        raise FieldError(
+            "tools", f"tools: {size} bytes as JSON; at most {MAX_TOOLS_BYTES} are allowed"
+        )
     params: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         name, schema = _function(tool, f"tools[{i}]")
@@ -191,11 +202,12 @@ class CallReader:
     before it); once a call has started, its text is held until its block is
     complete. A stream and a whole answer read alike, so that they agree."""
 
-    __slots__ = ("_calling", "_held", "calls")
+    __slots__ = ("_calling", "_from", "_held", "calls")
 
     def __init__(self) -> None:
         self._held = ""
         self._calling = False
+        self._from = 0  # where in the held text a call's end may still be found
         self.calls = 0  # calls read so far: the next one's index
 
     def push(self, text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -210,9 +222,18 @@ class CallReader:
                 return held[:keep], []
             content, held, self._calling = held[:at].rstrip(), held[at:], True
         calls = []
-        while (m := _BLOCK.match(held)) is not None:
-            calls.append(_call(m.group(1)))
-            held = held[m.end() :]
+        # Each piece is searched once for a call's end: a long call costs its length.
+        while (end := held.find(CALL_END, self._from)) >= 0:
+            stop = end + len(CALL_END)
+            m = _BLOCK.fullmatch(held, 0, stop)
+            call = _call(m.group(1)) if m is not None else None
+            if call is None:  # not a call (the grammar allows none): it stays text
+                self._from = len(held)
+                break
+            calls.append(call)
+            held, self._from = held[stop:], 0
+        else:
+            self._from = max(0, len(held) - len(CALL_END) + 1)
         self._held = held
         self.calls += len(calls)
         return content, calls
@@ -240,10 +261,17 @@ def _held_from(text: str) -> int:
     return cut
 
 
-def _call(body: str) -> dict[str, Any]:
+def _call(body: str) -> dict[str, Any] | None:
     """The call a block's JSON makes (the grammar holds it to a tool's
-    ``{"name", "arguments"}``)."""
-    doc = orjson.loads(body)
+    ``{"name", "arguments"}``; None if it is not one)."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("name"), str) or set(doc) != {
+        "name", "arguments"
+    }:  # fmt: skip
+        return None
     name = doc["name"]
     # The arguments as the model wrote them (the grammar writes the name first).
     lead = f'{{"name": {_json(name)}, "arguments": '
