@@ -29,7 +29,10 @@ request; ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
 ``top_p``, ``seed``, ``stop`` (at most 4), ``presence_penalty``,
 ``frequency_penalty``, ``logit_bias``, log probabilities (chat's ``logprobs``
 and ``top_logprobs``, completions' ``logprobs``: laid out by
-:mod:`aserve.frontends.http.openai_logprobs`), and vLLM's extensions
+:mod:`aserve.frontends.http.openai_logprobs`), chat's ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (the calls generated under a
+grammar and read from the answer: :mod:`aserve.frontends.http.openai_tools`),
+and vLLM's extensions
 ``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and
 ``priority`` (an integer, 0 by default: a lower one is admitted to the batch
 first, and at a full queue takes the place of a less urgent one waiting; see

@@ -4,7 +4,7 @@ A field is either **honoured** (:mod:`aserve.frontends.http.openai` reads it),
 **accepted** (it names the caller and changes nothing that is generated), or
 **refused unless it asks for nothing**: a value that a client sends by default
 to mean "no such feature" (``n: 1``, ``store: false``, ``logprobs: false``,
-``tools: []``, ``service_tier: "auto"``, null) passes; any other value is a 400
+``service_tier: "auto"``, null) passes; any other value is a 400
 naming the field. A field the table does not know is refused as well, as
 OpenAI's own API does: nothing a client sends is silently dropped. The same
 holds for the keys of each chat message. The OpenAI-compatible API page
