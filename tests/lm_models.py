@@ -10,6 +10,11 @@ of repeating one token; tokenizers are BPEs trained on a short ASCII text
 - Llama (grouped-query attention, 4 heads / 2 KV heads): Metaspace BPE over
   the text's own characters, ``<s>`` added by the post-processor, ``</s>`` as
   EOS, and a Jinja chat template in ``tokenizer_config.json``.
+- Hermes: the GPT-2 with Hermes' tool-call markers ``<tool_call>`` and
+  ``</tool_call>`` as tokens of their own (as Qwen2.5's), 1,024 positions
+  (room for tools in the prompt), and a chat template that renders ``tools``
+  and each assistant message's ``tool_calls`` (whose arguments it requires
+  to be objects).
 """
 
 from __future__ import annotations
@@ -72,6 +77,46 @@ def build_gpt2(folder: Path) -> Path:
     return folder
 
 
+HERMES_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{%- for c in m.tool_calls or [] %}"
+    "{%- if c.function.arguments is not mapping %}"
+    "{{ raise_exception('tool call arguments must be an object') }}{% endif %}"
+    "\n<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "\n</tool_call>{%- endfor %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_hermes(folder: Path) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = gpt2_tokenizer()
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    eos = tok.token_to_id("<|endoftext|>")
+    config = GPT2Config(
+        vocab_size=tok.get_vocab_size(),
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=1024,
+        initializer_range=0.5,
+        bos_token_id=eos,
+        eos_token_id=eos,
+    )
+    torch.manual_seed(1234)
+    model = GPT2LMHeadModel(config).eval()
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    _write_json(
+        folder / "tokenizer_config.json",
+        {"eos_token": "<|endoftext|>", "chat_template": HERMES_CHAT_TEMPLATE},
+    )
+    return folder
+
+
 def build_llama(folder: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -116,7 +161,7 @@ def _write_json(path: Path, data: dict[str, object]) -> None:
     path.write_text(json.dumps(data, indent=2))
 
 
-_BUILDERS = {"gpt2": build_gpt2, "llama": build_llama}
+_BUILDERS = {"gpt2": build_gpt2, "llama": build_llama, "hermes": build_hermes}
 _BUILT: dict[str, Path] = {}
 
 

@@ -801,12 +801,23 @@ CHAT_BAD: dict[str, st.SearchStrategy[Any]] = {
         st.lists(NON_DICT | st.fixed_dictionaries({"type": NON_STR}), min_size=1, max_size=2).map(
             lambda parts: [{"role": "user", "content": parts}]
         ),
+        # A tool's result without the id of an earlier call, or calls that are malformed.
+        st.one_of(st.none(), st.text(max_size=5)).map(
+            lambda i: [{"role": "tool", "content": "x", **({} if i is None else {"tool_call_id": i})}]
+        ),
+        st.one_of(
+            values("list", "none"), st.lists(NON_DICT, min_size=1, max_size=2),
+            st.sampled_from(["", "[]", "{", "1", "null", '"x"']).map(lambda a: [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": a}}
+            ]),
+        ).map(lambda calls: [{"role": "assistant", "content": None, "tool_calls": calls}]),
     ),
     "max_completion_tokens": GEN_BAD["max_tokens"],
     "logprobs": NON_BOOL_SET,
     "top_logprobs": st.one_of(NON_INT, st.integers(max_value=-1), st.integers(min_value=21)),
     "tools": TRUTHY,
     "tool_choice": ANY_SET.filter(lambda v: v != "none"),
+    "parallel_tool_calls": NON_BOOL_SET,
     "response_format": ANY_SET.filter(
         lambda v: not (isinstance(v, dict) and v in ({"type": "text"}, {"type": "json_object"}))
     ),

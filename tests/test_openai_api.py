@@ -172,9 +172,9 @@ def test_max_tokens_ends_with_length_and_ignore_eos(client: openai.OpenAI) -> No
         ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages", "messages[0].role"),
         (
             "chat",
-            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"},
             "tool_choice",
-            "not supported",
+            "must be 'auto'",
         ),
         ("chat", {"response_format": {"type": "json"}}, "response_format", "'json_object'"),
         ("chat", {"top_p": 0}, "top_p", "(0, 1]"),
@@ -410,14 +410,16 @@ async def test_history_keys_are_honoured_or_refused(aclient: openai.AsyncOpenAI)
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
     ]
+    # The call and its result are served (written into the messages: the llama
+    # template does not render tools).
+    r = await aclient.chat.completions.create(model="llama", messages=history, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+    # Without the call, the tool message answers nothing.
+    history[1] = {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None}
     with pytest.raises(openai.BadRequestError) as exc:
         await aclient.chat.completions.create(model="llama", messages=history, max_tokens=2)
     assert exc.value.param == "messages"
-    assert _message(exc.value).startswith("messages[1].tool_calls: tool calls"), exc.value
-    # Without the call: the tool message, its id given to the template, is served.
-    history[1] = {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None}
-    r = await aclient.chat.completions.create(model="llama", messages=history, max_tokens=2)
-    assert r.choices[0].finish_reason == "length"
+    assert _message(exc.value).startswith("messages[2].tool_call_id: 'c1' is the id of no"), exc
     for key, value in (("reasoning_content", "hm"), ("refusal", "no"), ("audio", {"id": "a"})):
         with pytest.raises(openai.BadRequestError) as exc:
             await aclient.chat.completions.create(

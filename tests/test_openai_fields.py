@@ -83,9 +83,7 @@ def test_a_value_that_asks_for_something_is_not_taken_for_one_that_does_not() ->
     assert not FIELDS["store"].allows(0) and FIELDS["store"].allows(False)
     assert FIELDS["service_tier"].allows("auto") and not FIELDS["service_tier"].allows("flex")
     assert not FIELDS["echo"].allows(0) and FIELDS["echo"].allows(False)
-    assert not FIELDS["parallel_tool_calls"].allows(0) and FIELDS["parallel_tool_calls"].allows(
-        True
-    )
+    assert FIELDS["modalities"].allows(["text"]) and not FIELDS["modalities"].allows(["audio"])
     # response_format is honoured: its own check refuses a key it does not know.
     with pytest.raises(FieldError, match="unknown key 'x'"):
         response_schema({"type": "text", "x": 1})

@@ -10,9 +10,10 @@ it, before any per-character or per-token step:
 - token ids by their count, which must leave room to generate within
   ``max_model_len`` (400);
 - a chat by its number of messages, against ``generation.max_chat_messages``
-  (400), then by its messages' text bytes plus :data:`MESSAGE_BYTES` per
-  message and per content part (a template writes a role and markers for
-  each), against the same byte limit; counting stops as soon as it is over.
+  (400), then by its messages' text bytes (an assistant's tool calls'
+  arguments among them) plus :data:`MESSAGE_BYTES` per message, per content
+  part and per tool call (a template writes a role and markers for each),
+  against the same byte limit; counting stops as soon as it is over.
 
 The size measured is returned: it is what the prompt will cost to render and
 tokenize, structure counted (:mod:`aserve.loop.runtimes.generation` decides
@@ -101,7 +102,7 @@ def text_bytes(text: str, limit: int) -> int:
 
 
 def chat_bytes(messages: Sequence[Any], limit: int) -> int:
-    """The chat's text bytes plus MESSAGE_BYTES per message and part; stops once
+    """The chat's text bytes plus MESSAGE_BYTES per message, part and tool call; stops once
     over ``limit``, so that a body of a million empty messages costs little."""
     if len(messages) * MESSAGE_BYTES > limit:
         return len(messages) * MESSAGE_BYTES
@@ -118,6 +119,16 @@ def chat_bytes(messages: Sequence[Any], limit: int) -> int:
                 text = part.get("text") if isinstance(part, Mapping) else None
                 if isinstance(text, str):
                     size += text_bytes(text, limit)
+                if size > limit:
+                    return size
+        calls = m.get("tool_calls") if isinstance(m, Mapping) else None
+        if isinstance(calls, list):  # an assistant's calls: their arguments are prompt text
+            for call in calls:
+                size += MESSAGE_BYTES
+                function = call.get("function") if isinstance(call, Mapping) else None
+                arguments = function.get("arguments") if isinstance(function, Mapping) else None
+                if isinstance(arguments, str):
+                    size += text_bytes(arguments, limit)
                 if size > limit:
                     return size
         if size > limit:

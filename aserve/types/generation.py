@@ -66,7 +66,9 @@ class SamplingParams:
     schema's grammar allows next (after the settings above; min_tokens does
     not hold back the grammar's end), and the sequence ends ("stop") when the
     grammar is complete. Cut short by max_tokens, it ends with "length" and
-    may not parse.
+    may not parse. ``grammar`` (None: none) is the same for a grammar in
+    llguidance's Lark syntax (chat's tool calls, which may embed JSON Schemas
+    with ``%json``); at most one of the two is given.
 
     These are the engine's own bounds (what its tensors and the step wire can
     carry); the narrower bounds a request is held to at the edge are
@@ -88,6 +90,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     json_schema: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -119,10 +122,21 @@ class SamplingParams:
             )
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             raise InvalidArgument("json_schema must be JSON text")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise InvalidArgument("grammar must be Lark text")
+        if self.grammar is not None and self.json_schema is not None:
+            raise InvalidArgument("give json_schema or grammar, not both")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidArgument(
                 f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
             )
+
+    @property
+    def constraint(self) -> str | None:
+        """The text the grammar engine compiles (None: free text): the JSON
+        Schema, whose text is an object's (``{`` first), or the Lark grammar,
+        which never starts with ``{``."""
+        return self.json_schema if self.json_schema is not None else self.grammar
 
     @property
     def adjusts_logits(self) -> bool:

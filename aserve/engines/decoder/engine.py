@@ -183,7 +183,7 @@ class DecoderEngine:
         them) naming the field and the limit. ``max_tokens`` over the cap is
         refused; one that would run past ``max_model_len`` is shortened, and
         the sequence then ends with finish reason "length". A ``json_schema``
-        is compiled here (or found compiled: :meth:`Grammars.compile`), and
+        (or ``grammar``) is compiled here (or found compiled: :meth:`Grammars.compile`), and
         one the grammar engine refuses raises ``GrammarError``.
         """
         tok, gen = self.tokenizer, self.generation
@@ -215,8 +215,8 @@ class DecoderEngine:
             raise InvalidArgument(
                 f"max_tokens: {wanted} is over this model's limit ({gen.max_tokens_cap})"
             )
-        if params.json_schema is not None:
-            self.grammars.compile(params.json_schema)
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= tok.eos_token_ids
@@ -250,8 +250,8 @@ class DecoderEngine:
         seq.generator = make_generator(seq.params.seed)
         seq.detokenizer = self.tokenizer.detokenizer(seq.prompt_ids)
         seq.stop = StopMatcher(seq.params.stop)
-        if seq.params.json_schema is not None:
-            seq.grammar = self.grammars.matcher(seq.params.json_schema)
+        if seq.params.constraint is not None:
+            seq.grammar = self.grammars.matcher(seq.params.constraint)
 
     # --- the step -------------------------------------------------------------------
 

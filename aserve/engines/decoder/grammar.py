@@ -1,9 +1,9 @@
 """Structured output: a request's JSON Schema as a mask over the vocabulary, token by token.
 
 The grammar engine is llguidance (``bench/RESULTS-grammar.md`` says why). A
-schema is compiled once per model and text (:meth:`Grammars.compile`, a
-bounded cache, so that the request path can check a schema it saw before
-without compiling it again); each sequence that asks for one gets its own
+schema (or a Lark grammar: chat's tool calls) is compiled once per model and
+text (:meth:`Grammars.compile`, a bounded cache, so that the request path can
+check a schema it saw before without compiling it again); each sequence that asks for one gets its own
 matcher, a copy of the compiled one, made where the steps run. Each step
 fills the masks of the batch's constrained sequences in one call, on a
 helper thread while the model's forward runs (:meth:`Grammars.start`); the
@@ -24,6 +24,7 @@ the step thread.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -102,8 +103,9 @@ class Grammars:
             eos = sorted(tok.eos_token_ids) or None
             try:  # llguidance reads a byte-level tokenizer.json (GPT-2's, Llama 3's) itself
                 self._tables = llguidance.LLTokenizer(
-                    tok.inner.to_str(), n_vocab=self.vocab_size, eos_token=eos
-                )
+                    _plain_added_tokens(tok.inner.to_str()), n_vocab=self.vocab_size,
+                    eos_token=eos,
+                )  # fmt: skip
             except ValueError:  # others (SentencePiece's Metaspace): their tokens' bytes
                 wrapper = TokenizerWrapper(_TokenBytes(tok, self.vocab_size))
                 self._tables = llguidance.LLTokenizer(wrapper, eos_token=eos)
@@ -114,7 +116,8 @@ class Grammars:
         return schema in self._compiled
 
     def compile(self, schema: str) -> llguidance.LLMatcher:
-        """The compiled matcher of ``schema`` (JSON Schema text), from the cache
+        """The compiled matcher of ``schema`` (JSON Schema text, or a grammar in
+        llguidance's Lark syntax: ``SamplingParams.constraint``), from the cache
         or compiled now (about a millisecond for a schema of a few fields;
         a few hundred the first time, for the tokenizer's tables). Never
         advance it: :meth:`matcher` copies it. :class:`GrammarError` names
@@ -125,17 +128,23 @@ class Grammars:
             if compiled is not None:
                 self._compiled.move_to_end(schema)
                 return compiled
-            try:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    schema, overrides=JSON_OPTIONS
-                )
-            except ValueError as exc:
-                raise GrammarError(f"the schema is not a JSON object: {exc}") from None
+            if schema.startswith("{"):
+                try:
+                    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                        schema, overrides=JSON_OPTIONS
+                    )
+                except ValueError as exc:
+                    raise GrammarError(f"the schema is not a JSON object: {exc}") from None
+            else:  # a Lark grammar: its %json schemas carry their options in "x-guidance"
+                grammar = llguidance.LLMatcher.grammar_from_lark(schema)
             compiled = llguidance.LLMatcher(
                 self._llg_tokenizer(), grammar, log_level=0, limits=_LIMITS
             )
             if compiled.is_error():
-                raise GrammarError(_short(compiled.get_error()))
+                error = compiled.get_error()
+                if not schema.startswith("{"):  # the first line, without where in the grammar
+                    error = _LARK_WHERE.sub("", error.split("\n", 1)[0])
+                raise GrammarError(_short(error))
             self._compiled[schema] = compiled
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
@@ -249,7 +258,31 @@ class _TokenBytes:
         return self._inner.encode(text, add_special_tokens=False).ids
 
 
+def _plain_added_tokens(text: str) -> str:
+    """A ``tokenizer.json`` with its added tokens that are not special (Qwen's
+    ``<tool_call>``) moved into the BPE's vocabulary: llguidance takes every
+    added token for a special one, which no grammar's text matches, so that a
+    grammar asking for ``<tool_call>`` would refuse the token the model was
+    trained to write it with. Only printable ASCII without spaces moves: a
+    byte-level vocabulary spells those as they are."""
+    doc = json.loads(text)
+    vocab = doc.get("model", {}).get("vocab")
+    added = doc.get("added_tokens") or []
+    plain = [
+        t for t in added
+        if not t.get("special") and isinstance(t.get("content"), str)
+        and t["content"].isascii() and t["content"].isprintable() and " " not in t["content"]
+    ]  # fmt: skip
+    if not plain or not isinstance(vocab, dict):
+        return text
+    for t in plain:
+        vocab[t["content"]] = t["id"]
+    doc["added_tokens"] = [t for t in added if t not in plain]
+    return json.dumps(doc)
+
+
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_LARK_WHERE = re.compile(r"^at \d+\(\d+\): ")
 
 
 def _short(message: str, limit: int = 300) -> str:

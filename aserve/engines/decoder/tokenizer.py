@@ -50,6 +50,9 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.has_chat_template = chat_template is not None
+        # A template that never names `tools` renders neither them nor calls:
+        # the OpenAI route then writes them into the messages itself.
+        self.template_reads_tools = chat_template is not None and "tools" in chat_template
         # Compiled once: a broken template fails at load, not on the first request.
         self._template = ChatTemplate(chat_template or DEFAULT_CHAT_FORMAT)
 

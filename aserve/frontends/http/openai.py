@@ -29,7 +29,10 @@ request; ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
 ``top_p``, ``seed``, ``stop`` (at most 4), ``presence_penalty``,
 ``frequency_penalty``, ``logit_bias``, log probabilities (chat's ``logprobs``
 and ``top_logprobs``, completions' ``logprobs``: laid out by
-:mod:`aserve.frontends.http.openai_logprobs`), and vLLM's extensions
+:mod:`aserve.frontends.http.openai_logprobs`), chat's ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (the calls generated under a
+grammar and read from the answer: :mod:`aserve.frontends.http.openai_tools`),
+and vLLM's extensions
 ``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and
 ``priority`` (an integer, 0 by default: a lower one is admitted to the batch
 first, and at a full queue takes the place of a less urgent one waiting; see
@@ -72,7 +75,15 @@ from aserve.frontends.http.openai_fields import (
 )
 from aserve.frontends.http.openai_format import PARAM, response_schema
 from aserve.frontends.http.openai_logprobs import Strings, chat_logprobs, completion_logprobs
-from aserve.frontends.http.openai_tools import ToolPlan, tool_call, tool_plan
+from aserve.frontends.http.openai_tools import (
+    CallReader,
+    ToolPlan,
+    check_results,
+    history_calls,
+    read_answer,
+    render_as_text,
+    tool_plan,
+)
 from aserve.frontends.http.stream import DONE, send_all
 from aserve.frontends.status import HTTP_STATUS
 from aserve.loop.prompt_size import check_prompt_size
@@ -225,10 +236,14 @@ class OpenAIApi:
             else:
                 check_prompt_size(runtime.generation, prompt=body.get("prompt"))
             parsed = _parse(body, chat)
+            messages, tools = parsed.messages, parsed.tools
+            if parsed.tools_in_chat and not runtime.template_reads_tools:
+                assert messages is not None
+                messages, tools = render_as_text(messages, tools, parsed.parallel), None
             try:
                 seq = await runtime.prepare(
-                    parsed.params, prompt=parsed.prompt, messages=parsed.messages,
-                    priority=parsed.priority, tools=parsed.tools,
+                    parsed.params, prompt=parsed.prompt, messages=messages,
+                    priority=parsed.priority, tools=tools,
                 )  # fmt: skip
             except InvalidArgument as exc:
                 # A tool's parameters the grammar engine refuses: the engine names
@@ -281,11 +296,10 @@ class OpenAIApi:
         async with contextlib.AsyncExitStack() as stack:
             for r in reqs:
                 await stack.enter_async_context(r)  # leaving cancels every choice
+            calls = parsed.tool_plan is not None  # the answer is read for its calls
             if not parsed.stream:
-                return await _whole(reqs, head, chat, strings, parsed.n, parsed.tool_plan)
-            return await _stream(
-                request, reqs, head, chat, parsed.include_usage, strings, parsed.tool_plan
-            )
+                return await _whole(reqs, head, chat, strings, parsed.n, calls)
+            return await _stream(request, reqs, head, chat, parsed.include_usage, strings, calls)
 
 
 async def _deltas(reqs: list[GenerationRequest]) -> AsyncIterator[tuple[int, Delta]]:
@@ -372,7 +386,7 @@ async def _whole(
     chat: bool,
     strings: Strings | None,
     n: int,
-    plan: ToolPlan | None = None,
+    calls: bool = False,
 ) -> web.Response:
     got = [_Choice() for _ in reqs]
     try:
@@ -389,10 +403,10 @@ async def _whole(
         lp = _logprobs(chat, c.ids, c.logprobs, strings)
         if chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
-            if plan is not None and reason == "stop":  # the grammar is complete: a call
-                message = {"role": "assistant", "content": None,
-                           "tool_calls": [tool_call(plan, text)]}  # fmt: skip
-                reason = "tool_calls"
+            if calls:  # generated under the tools' grammar: the calls read from it
+                message["content"], made, reason = read_answer(text, reason)
+                if made:
+                    message["tool_calls"] = made
             choices.append(
                 {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
             )
@@ -423,7 +437,7 @@ async def _stream(
     chat: bool,
     include_usage: bool,
     strings: Strings | None = None,
-    plan: ToolPlan | None = None,
+    calls: bool = False,
 ) -> web.StreamResponse:
     head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     if include_usage:
@@ -447,8 +461,8 @@ async def _stream(
                       "finish_reason": reason}  # fmt: skip
         return {**head, "choices": [choice]}
 
-    # A tool call's text is held until the call is complete, then sent as one.
-    calls: list[list[str]] | None = [[] for _ in reqs] if chat and plan is not None else None
+    # Under the tools' grammar: what could be a call is held until its block is complete.
+    readers = [CallReader() for _ in reqs] if chat and calls else None
 
     async def chunks() -> AsyncIterator[dict[str, Any]]:
         lasts: list[Delta | None] = [None] * len(reqs)
@@ -461,19 +475,21 @@ async def _stream(
             lasts[index] = delta
             # Tokens whose text is held back still send their log probabilities.
             tokens = strings is not None and bool(delta.token_ids)
-            if calls is not None and plan is not None:
-                calls[index].append(delta.text)
+            if readers is not None:
+                reader = readers[index]
+                text, made = reader.push(delta.text)
+                reason = delta.finish_reason
                 if delta.finished:
-                    text, reason = "".join(calls[index]), delta.finish_reason
-                    if reason == "stop":
-                        call = chunk(index, None, None)
-                        call["choices"][0]["delta"] = {"tool_calls": [
-                            {"index": 0, **tool_call(plan, text)}
-                        ]}  # fmt: skip
-                        yield call
-                        reason = "tool_calls"
-                    else:
-                        yield chunk(index, text, None, delta)
+                    left, reason = reader.end(reason)
+                    text += left
+                if text or tokens:
+                    yield chunk(index, text or None, None, delta)
+                first = reader.calls - len(made)
+                for k, call in enumerate(made):
+                    piece = chunk(index, None, None)
+                    piece["choices"][0]["delta"] = {"tool_calls": [{"index": first + k, **call}]}
+                    yield piece
+                if delta.finished:
                     yield chunk(index, None, reason)
             elif chat:
                 if delta.text or tokens:
@@ -493,8 +509,9 @@ async def _stream(
 
 class _Parsed:
     __slots__ = (
-        "best_of", "include_usage", "limit_field", "logprobs_asked", "messages", "n", "params",
-        "priority", "prompt", "stream", "timeout_s", "tool_plan", "tools",
+        "best_of", "include_usage", "limit_field", "logprobs_asked", "messages", "n", "parallel",
+        "params", "priority", "prompt", "stream", "timeout_s", "tool_plan", "tools",
+        "tools_in_chat",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -509,8 +526,10 @@ class _Parsed:
         self.n = 1  # choices answered
         self.best_of: int | None = None  # completions: choices generated, the n best kept
         self.logprobs_asked = False  # the answer shows log probabilities
-        self.tool_plan: ToolPlan | None = None  # chat: the tool call to generate
+        self.tool_plan: ToolPlan | None = None  # chat: the grammar of the calls
         self.tools: list[dict[str, Any]] | None = None  # chat: given to the template
+        self.parallel = True  # chat: several calls in one answer
+        self.tools_in_chat = False  # chat: tools, or calls or results in the history
 
 
 def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
@@ -519,7 +538,7 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
     _model(body)
     check_fields(body, "chat" if chat else "completions")
     if chat:
-        out.messages = _messages(body.get("messages"))
+        out.messages, out.tools_in_chat = _messages(body.get("messages"))
     else:
         out.prompt = _prompt(body.get("prompt"))
 
@@ -575,14 +594,21 @@ def _parse(body: dict[str, Any], chat: bool) -> _Parsed:
             kw["logprobs"] = 0  # best_of ranks the choices by their tokens' log probabilities
     if (fmt := body.get("response_format")) is not None:  # off the common path's walk
         kw["json_schema"] = response_schema(fmt)
-    if chat and (body.get("tools") or body.get("tool_choice") is not None):
-        out.tool_plan, out.tools = tool_plan(body.get("tools"), body.get("tool_choice"))
+    if chat and (
+        body.get("tools") or body.get("tool_choice") is not None
+        or body.get("parallel_tool_calls") is not None
+    ):  # fmt: skip
+        parallel = body.get("parallel_tool_calls")
+        out.tool_plan, out.tools = tool_plan(body.get("tools"), body.get("tool_choice"), parallel)
+        out.parallel = parallel is not False
+        out.tools_in_chat |= out.tools is not None
         if out.tool_plan is not None:
             if kw.get("json_schema") is not None:
                 raise FieldError(
-                    "response_format", "response_format: give it or a tool_choice, not both"
-                )
-            kw["json_schema"] = out.tool_plan.schema
+                    "response_format", "response_format: give it or tools (with a tool_choice "
+                    "other than 'none'), not both",
+                )  # fmt: skip
+            kw["grammar"] = out.tool_plan.grammar
     out.params = SamplingParams(**kw)
     try:
         out.priority = request_priority(body.get("priority"))
@@ -663,10 +689,12 @@ def _prompt(value: Any) -> str | list[int]:
     raise FieldError("prompt", "must be a string, a list of token ids, or a list of one of those")
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def _messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
+    """The chat's messages, checked, and whether any has tool calls or a tool's result."""
     if not isinstance(value, list) or not value:
         raise FieldError("messages", "must be a non-empty list of messages")
     out = []
+    tooled = False
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -703,8 +731,20 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                 if not isinstance(text, str):
                     raise FieldError("messages", f"{where}.{key} must be a string")
                 msg[key] = text
+        calls = m.get("tool_calls")
+        if calls is not None and calls != []:
+            if role != "assistant":
+                raise FieldError("messages", f"{where}.tool_calls: only an assistant calls tools")
+            msg["tool_calls"] = history_calls(calls, where)
+            tooled = True
+        elif role == "tool":
+            if "tool_call_id" not in msg:
+                raise FieldError("messages", f"{where}.tool_call_id is required in a tool message")
+            tooled = True
         out.append(msg)
-    return out
+    if tooled:
+        check_results(out)
+    return out, tooled
 
 
 def _is_int(v: Any) -> bool:

@@ -4,7 +4,7 @@ A field is either **honoured** (:mod:`aserve.frontends.http.openai` reads it),
 **accepted** (it names the caller and changes nothing that is generated), or
 **refused unless it asks for nothing**: a value that a client sends by default
 to mean "no such feature" (``n: 1``, ``store: false``, ``logprobs: false``,
-``tools: []``, ``service_tier: "auto"``, null) passes; any other value is a 400
+``service_tier: "auto"``, null) passes; any other value is a 400
 naming the field. A field the table does not know is refused as well, as
 OpenAI's own API does: nothing a client sends is silently dropped. The same
 holds for the keys of each chat message. The OpenAI-compatible API page
@@ -100,11 +100,11 @@ FIELDS: dict[str, Field] = {
     "prompt_cache_key": Field(CHAT, "accepted", "a string; " + _CACHE),
     "echo": _refused(BOTH, "echoing the prompt is not supported", False),
     "suffix": _refused(BOTH, "suffixes (insertion) are not supported", ""),
-    "tools": Field(CHAT, "honoured", "function tools, given to the chat template"),
+    "tools": Field(CHAT, "honoured", "function tools, called in Hermes' format under a grammar"),
     "functions": _refused(CHAT, _TOOLS, []),
-    "tool_choice": Field(CHAT, "honoured", "none, required or a function; auto is refused"),
+    "tool_choice": Field(CHAT, "honoured", "auto (the default), none, required or a function"),
     "function_call": _refused(CHAT, _TOOLS, "none"),
-    "parallel_tool_calls": _refused(CHAT, "true or false: one call per answer", True, False),
+    "parallel_tool_calls": Field(CHAT, "honoured", "true (the default): several calls; false: one"),
     "store": _refused(CHAT, "stored completions are not supported", False),
     "metadata": _refused(CHAT, "metadata is kept only with stored completions", {}),
     "service_tier": _refused(CHAT, "there is one service tier", "auto", "default"),
@@ -124,8 +124,8 @@ MESSAGE_FIELDS: dict[str, Field] = {
     "role": Field(CHAT, "honoured", "system, developer, user, assistant or tool"),
     "content": Field(CHAT, "honoured", "a string or text parts (null for an assistant)"),
     "name": Field(CHAT, "honoured", "a string given to the chat template"),
-    "tool_call_id": Field(CHAT, "honoured", "a string given to the chat template"),
-    "tool_calls": _refused(CHAT, "tool calls in the history are not supported", []),
+    "tool_call_id": Field(CHAT, "honoured", "a tool message's: the id of an earlier call"),
+    "tool_calls": Field(CHAT, "honoured", "an assistant's calls, arguments JSON text"),
     "function_call": _refused(CHAT, "function calls in the history are not supported"),
     "refusal": _refused(CHAT, "a refusal in the history is not supported"),
     "audio": _refused(CHAT, "audio in the history is not supported"),

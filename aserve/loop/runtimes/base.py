@@ -392,6 +392,13 @@ class Generator(Runtime):
         one's seeds follow it: seed, seed + 1, ...), for a request with ``n``
         choices; queued together, their prompt is prefilled once."""
 
+    @property
+    @abc.abstractmethod
+    def template_reads_tools(self) -> bool:
+        """Whether the model's chat template renders ``tools`` and the messages'
+        tool calls itself (its source names ``tools``); if not, a route that
+        has them writes them into the messages as text."""
+
     @abc.abstractmethod
     def token_strings(self, token_ids: Sequence[int]) -> list[str]:
         """Each token's own text (a token that is part of a character: U+FFFD

@@ -116,6 +116,10 @@ class GenerationRuntime(Generator):
     def has_chat_template(self) -> bool:
         return self.tokenizer.has_chat_template
 
+    @property
+    def template_reads_tools(self) -> bool:
+        return self.tokenizer.template_reads_tools
+
     def choices(self, sequence: EngineSequence, n: int) -> list[EngineSequence]:
         assert self._engine is not None
         params, seqs = sequence.params, [sequence]
@@ -225,7 +229,7 @@ class GenerationRuntime(Generator):
         own_template = messages is not None and self._engine.tokenizer.has_chat_template
         # A schema not compiled yet is compiled off the loop (about a millisecond
         # for a few fields, more for large ones); one in the cache costs a lookup.
-        schema = params.json_schema
+        schema = params.constraint
         fresh = schema is not None and not self._engine.grammars.is_compiled(schema)
         inline = size <= _INLINE_PROMPT_BYTES and not own_template and not fresh
         if self.batcher is not None:
