@@ -31,7 +31,9 @@ Measured, for each rule:
   share of torch's one-time setup, see ``budget_run``). Their requests are also split by whether a load (of any
   model) ran while they did, from the log's load times, and their own loads
   in the window are counted: what keeps their p99 from the reference's;
-- loads and evictions per minute, and the loads that waited for a busy
+- loads and evictions per minute, of the evictions those that parked the
+  model (its weights released, its module kept) and of the loads those that
+  read a parked model's weights back, and the loads that waited for a busy
   model cheaper to evict (from the server's log lines);
 - each model's cold loads (their times in the log) against the same model's
   load in this process (``torch.jit.load`` and the warm-up batches the server
@@ -351,6 +353,10 @@ async def warm(base: str, ranks: list[int]) -> None:
 LOADED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: model (m\d+)/1 loaded on \S+ in ([\d.]+) s")
 EVICTED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: evicting model (m\d+)/1 ")
 WAITED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: model (m\d+)/1 waits up to ")
+PARKED = re.compile(r"^(\S+ \S+) INFO aserve\.memory: model (m\d+)/1 parked on ")
+RESTORED = re.compile(
+    r"^(\S+ \S+) INFO aserve\.model: model (m\d+)/1 loaded from .*its weights read back"
+)
 
 
 def _log_time(stamp: str) -> float:
@@ -361,6 +367,8 @@ def log_events(path: Path, start: float, end: float) -> dict[str, Any]:
     loads: list[tuple[float, str, float]] = []
     evictions: list[tuple[float, str]] = []
     waits: list[tuple[float, str]] = []
+    parks: list[tuple[float, str]] = []
+    restores: list[tuple[float, str]] = []
     for line in path.read_text(errors="replace").splitlines():
         if m := LOADED.match(line):
             loads.append((_log_time(m.group(1)), m.group(2), float(m.group(3))))
@@ -368,11 +376,18 @@ def log_events(path: Path, start: float, end: float) -> dict[str, Any]:
             evictions.append((_log_time(m.group(1)), m.group(2)))
         elif m := WAITED.match(line):
             waits.append((_log_time(m.group(1)), m.group(2)))
+        elif m := PARKED.match(line):
+            parks.append((_log_time(m.group(1)), m.group(2)))
+        elif m := RESTORED.match(line):
+            restores.append((_log_time(m.group(1)), m.group(2)))
     # The log's clock has millisecond stamps; the window is the traffic's.
     loads = [x for x in loads if start - 1 <= x[0] <= end + 1]
     evictions = [x for x in evictions if start - 1 <= x[0] <= end + 1]
     waits = [x for x in waits if start - 1 <= x[0] <= end + 1]
-    return {"loads": loads, "evictions": evictions, "waits": waits}
+    parks = [x for x in parks if start - 1 <= x[0] <= end + 1]
+    restores = [x for x in restores if start - 1 <= x[0] <= end + 1]
+    return {"loads": loads, "evictions": evictions, "waits": waits, "parks": parks,
+            "restores": restores}  # fmt: skip
 
 
 # --- the run ---------------------------------------------------------------------------
@@ -503,6 +518,8 @@ def budget_run(
         "loads_per_min": round(len(events["loads"]) / minutes, 1),
         "evictions_per_min": round(len(events["evictions"]) / minutes, 1),
         "waits_for_a_cheaper_model": len(events["waits"]),
+        "parks": len(events["parks"]),
+        "restores": len(events["restores"]),
         "load_seconds_per_s": round(sum(s for _, _, s in events["loads"]) / (end - start), 3),
         "cold_loads_s": {k: [round(x, 3) for x in v] for k, v in sorted(loads_by_model.items(),
                                                                       key=lambda kv: int(kv[0][1:]))},
@@ -605,6 +622,10 @@ def render(r: dict[str, Any]) -> str:
     lines += [
         row("loads / min", [servers[n]["loads_per_min"] for n in names]),
         row("evictions / min", [servers[n]["evictions_per_min"] for n in names]),
+        row("of the evictions: parked (weights released, module kept)",
+            [servers[n].get("parks", 0) for n in names]),
+        row("of the loads: restores (weights read back into a parked module)",
+            [servers[n].get("restores", 0) for n in names]),
         row("loads that waited for a busy model cheaper to evict",
             [servers[n]["waits_for_a_cheaper_model"] for n in names]),
         row("seconds of loading a second", [servers[n]["load_seconds_per_s"] for n in names]),
