@@ -284,6 +284,15 @@ class Sequences:
             filled[name] = initial if info.start else seq.implicit.get(name, initial)
         return filled
 
+    def kept(self, slot: int) -> dict[str, np.ndarray] | None:
+        """The implicit states kept for the sequence holding ``slot`` (None: a free slot).
+
+        Read on instance threads (``direct``'s padding rows) while the loop
+        replaces entries: each value is a fresh array, never written in place.
+        """
+        seq = self.table.holders.get(slot)
+        return None if seq is None else seq.implicit
+
     def keep(self, outputs: dict[str, np.ndarray], seq: Sequence) -> dict[str, np.ndarray]:
         if not self._states:
             return outputs
