@@ -119,4 +119,5 @@ class InstanceExecutor:
         return self._pool.runs_inline(size)
 
     def run_inline(self, job: BatchJob) -> None:
+        self._pool.batches[self.index] += 1
         self._pool.run_inline(job)
