@@ -51,6 +51,48 @@ def _rows_model(folder: Path) -> Path:
     return path
 
 
+def _state_model(folder: Path) -> dict[str, Any]:
+    """An accumulator with implicit state (initial 100) whose every row reports, for the
+    whole batch, the state inputs of its padding rows (READY 0) summed, and their START,
+    END and CORRID summed."""
+    import torch
+
+    class Pads(torch.nn.Module):
+        def forward(self, x, start, end, ready, corrid, state):  # type: ignore[no-untyped-def]
+            total = state * (1 - start) + x * ready
+            idle = 1 - ready
+            n = x.shape[0]
+            pad_state = (state * idle).sum().to(torch.int32)
+            pad_ctl = ((start + end) * idle).sum() + (corrid * idle.to(torch.int64)).sum()
+            return (
+                total, total, torch.full((n, 1), 1, dtype=torch.int32) * pad_state,
+                torch.full((n, 1), 1, dtype=torch.int64) * pad_ctl,
+            )  # fmt: skip
+
+    path = folder / "pads.pt"
+    torch.jit.script(Pads()).save(str(path))
+    return {
+        "name": "pads",
+        "engine": "torch",
+        "path": str(path),
+        "inputs": [
+            spec("INPUT", "INT32", [1]), spec("START", "INT32", [1]), spec("END", "INT32", [1]),
+            spec("READY", "INT32", [1]), spec("CORRID", "INT64", [1]),
+            spec("STATE_IN", "INT32", [1]),
+        ],
+        "outputs": [
+            spec("OUTPUT", "INT32", [1]), spec("STATE_OUT", "INT32", [1]),
+            spec("PAD_STATE", "INT32", [1]), spec("PAD_CTL", "INT64", [1]),
+        ],
+        "batching": {"max_batch_size": 4, "max_delay_ms": 5},
+        "sequence_batching": {
+            "control_inputs": {"start": "START", "end": "END", "ready": "READY", "corrid": "CORRID"},
+            "state": [{"input": "STATE_IN", "output": "STATE_OUT", "initial_value": 100}],
+            "max_sequence_idle_microseconds": 600_000_000,
+        },
+    }  # fmt: skip
+
+
 def _model(name: str, path: Path, max_batch_size: int, instances: int) -> dict[str, Any]:
     return {
         "name": name,
@@ -82,6 +124,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
             _model("rows_busy", path, 8, 1),
             # Its instances share the module (and its buffer): only rows and counts are read.
             _model("rows_two", path, 2, 2),
+            _state_model(folder),
         ],
     }
     server = start_server(write_config(folder, config))
@@ -243,3 +286,31 @@ def test_two_instances_each_run_only_their_own_sequences(srv: ServerProcess) -> 
     finally:
         client.close()
     sync_wait_for_stats(srv.base, "rows_two", lambda s: s["sequences_active"] == 0)
+
+
+def test_padding_rows_hold_the_idle_sequences_state_or_the_initial_value(
+    srv: ServerProcess,
+) -> None:
+    """A padding row's state input is the kept state of the idle sequence on its row, or
+    the initial value (100) on a free row; its START, END and CORRID are 0."""
+    client = httpclient.InferenceServerClient(srv.url)
+
+    def add(seq: int, value: int, **kw: bool) -> tuple[int, int, int]:
+        result = client.infer(
+            "pads", [_input(httpclient, value)], sequence_id=seq,
+            sequence_start=kw.get("start", False), sequence_end=kw.get("end", False),
+        )  # fmt: skip
+        return (
+            int(result.as_numpy("OUTPUT")[0, 0]), int(result.as_numpy("PAD_STATE")[0, 0]),
+            int(result.as_numpy("PAD_CTL")[0, 0]),
+        )  # fmt: skip
+
+    try:
+        assert add(71, 5, start=True) == (5, 0, 0)  # row 0, no padding
+        assert add(72, 1, start=True) == (1, 5, 0)  # row 1; row 0 holds 71's kept 5
+        assert add(71, 1, end=True) == (6, 0, 0)  # row 0 alone; its slot is freed
+        assert add(72, 2) == (3, 100, 0)  # row 0 is free: the initial value
+        assert add(72, 0, end=True) == (3, 100, 0)
+    finally:
+        client.close()
+    sync_wait_for_stats(srv.base, "pads", lambda s: s["sequences_active"] == 0)
