@@ -15,7 +15,9 @@ batched runtime's). Each request passes :meth:`Sequences.turn`:
 - a sequence's requests run one at a time, in the order they came: the next
   waits for the previous one's answer (until its own deadline). So the
   batcher, which batches requests of different sequences as it batches any,
-  never holds two of one sequence;
+  never holds two of one sequence (under ``direct``, a model of tensors on
+  instance threads has a batcher per instance and each request at its
+  sequence's row: :mod:`aserve.loop.direct`);
 - the control inputs and implicit states are filled in (:meth:`Turn.fill`),
   the state outputs kept and taken out of the answer (:meth:`Turn.keep`);
 - a sequence with no request for ``max_sequence_idle_microseconds`` is
