@@ -234,7 +234,7 @@ class ModelRuntime(Runtime):
             self.batcher = self._batchers[0]
         else:
             self.batcher = Batcher(self.label, self.config.batching, self._pool, self.stats)
-        for batcher in self._batchers or [self.batcher]:
+        for batcher in self._each_batcher():
             batcher.share(self._device)
         return path
 
@@ -337,7 +337,7 @@ class ModelRuntime(Runtime):
         if job.error is not None:
             raise RuntimeError(f"{what or f'warm-up with batch size {size}'} failed: {job.error}")
         if measure:
-            for batcher in self._batchers or [self.batcher]:
+            for batcher in self._each_batcher():
                 batcher.latency.observe(size, job.tag[2])
         assert job.outputs is not None
         return job.outputs
@@ -464,6 +464,10 @@ class ModelRuntime(Runtime):
 
     # --- state seen by others -----------------------------------------------------
 
+    def _each_batcher(self) -> list[Batcher]:
+        """Its batchers: one per instance for a direct sequence model, else the one."""
+        return self._batchers or ([] if self.batcher is None else [self.batcher])
+
     @property
     def busy(self) -> bool:
         if self._batchers:
@@ -474,13 +478,13 @@ class ModelRuntime(Runtime):
 
     def reconfigure(self, config: ModelConfig) -> None:
         super().reconfigure(config)
-        for batcher in self._batchers or ([self.batcher] if self.batcher else []):
+        for batcher in self._each_batcher():
             batcher.reconfigure(config.batching)
 
     def share(self, device: DeviceScheduler | None) -> None:
         """Run batches on ``device``'s shared slots (None: on its own instances alone)."""
         self._device = device
-        for batcher in self._batchers or ([self.batcher] if self.batcher else []):
+        for batcher in self._each_batcher():
             batcher.share(device)
 
     def metadata(self) -> dict[str, Any]:
@@ -506,7 +510,7 @@ class ModelRuntime(Runtime):
                 sum(x.pending for x in self._batchers), sum(x.running for x in self._batchers)
             )
             assert isinstance(self._pool, PinnedPool)
-            doc["instance_batches"] = self._pool.batches  # an aserve extension
+            doc["instance_batches"] = list(self._pool.batches)  # an aserve extension
         else:
             doc = self.stats.as_dict(b.pending if b else 0, b.running if b else 0)
         if b is not None:
@@ -519,7 +523,7 @@ class ModelRuntime(Runtime):
         """Let running batches end, stop the instances, free the model."""
         if self.sequences is not None:
             self.sequences.close()
-        for batcher in self._batchers or ([self.batcher] if self.batcher else []):
+        for batcher in self._each_batcher():
             batcher.close()
         pool = self._pool
         if pool is not None:
