@@ -22,6 +22,7 @@ from aserve.workers.job import (
     SequenceCheck,
     Staging,
 )
+from aserve.workers.pinned_pool import PinnedPool
 from aserve.workers.step_executor import StepExecutor
 from aserve.workers.step_process import ProcessStepExecutor, WorkerArgs
 from aserve.workers.thread_pool import ExecutorPool
@@ -45,12 +46,15 @@ def _executors(tmp_path: Path) -> list[Any]:
     engine = _Engine(config, tmp_path)
     pool = ProcessPool(WorkerSpec(config, None, str(tmp_path)), engine, 2, "m")
     args = WorkerArgs(str(tmp_path), {}, "cpu", "float32", 1, "g")
+    pinned = PinnedPool(engine, 2, "m")
     return [
         ExecutorPool(engine, 2, "m"),
         pool,
         DevicePools([pool]),
         StepExecutor(None, "g"),  # type: ignore[arg-type]  # nothing runs before start
         ProcessStepExecutor(args, on_lost=lambda _: None),
+        pinned,
+        pinned.instance(1),
     ]
 
 
@@ -88,17 +92,18 @@ def test_the_protocol_refuses_what_lacks_the_health_figure() -> None:
 
 
 def test_each_capability_is_declared_by_the_executors_that_have_it(tmp_path: Path) -> None:
-    threads, processes, devices, step_thread, step_process = _executors(tmp_path)
+    every = _executors(tmp_path)
+    threads, processes, devices, step_thread, step_process, pinned, instance = every
     has = {
-        Staging: [threads],
-        Inline: [threads],
+        Staging: [threads, pinned, instance],
+        Inline: [threads, pinned, instance],
         RunAhead: [step_process],
         SequenceCheck: [step_process],
         ChildProcesses: [processes, devices, step_process],
-        EngineHandle: [threads, processes, devices, step_thread],
+        EngineHandle: [threads, processes, devices, step_thread, pinned, instance],
     }
     for capability, executors in has.items():
-        for executor in (threads, processes, devices, step_thread, step_process):
+        for executor in every:
             found = isinstance(executor, capability)
             assert found == any(executor is e for e in executors), (
                 f"{type(executor).__name__} {'has' if found else 'lacks'} {capability.__name__}"

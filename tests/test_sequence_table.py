@@ -1,6 +1,7 @@
 """The pure parts of sequence batching, with plain numbers for the clock: the slot
-table (sched/sequences.py), the request parameters (codecs/sequence.py) and the
-config's checks; and the loop's driver (loop/sequences.py) with a fake clock."""
+table (sched/sequences.py), ``direct``'s rows (sched/direct.py), the request
+parameters (codecs/sequence.py) and the config's checks; and the loop's driver
+(loop/sequences.py) with a fake clock."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from aserve.codecs.sequence import SequenceParams, refuse_sequence, sequence_par
 from aserve.config import ModelConfig
 from aserve.errors import InvalidArgument, QueueFull, Unavailable, Unimplemented
 from aserve.loop.sequences import Sequences
+from aserve.sched.direct import RowLayout, layout, place
 from aserve.sched.sequences import ENDED, IDLE, SequenceTable
 
 pytestmark = pytest.mark.timeout(30)
@@ -29,6 +31,37 @@ def test_slots_are_taken_lowest_first_and_freed_at_the_end() -> None:
     assert t.close(a, ENDED)
     assert t.take_slot(c) and c.slot == 0
     assert not t.close(a, ENDED)  # once only
+
+
+def test_the_table_knows_who_holds_each_slot() -> None:
+    t = SequenceTable("m/1", slots=2, idle_s=1.0)
+    a, b = t.start(1), t.start(2)
+    assert t.take_slot(a) and t.take_slot(b)
+    assert t.holders == {0: a, 1: b}
+    t.close(a, ENDED)
+    assert t.holders == {1: b}
+    t.expire(10.0)  # b idle since 0.0
+    assert t.holders == {}
+
+
+def test_direct_places_a_slot_on_an_instance_and_row() -> None:
+    assert [place(s, 4) for s in (0, 3, 4, 9)] == [(0, 0), (0, 3), (1, 0), (2, 1)]
+
+
+def test_direct_layout_puts_requests_at_their_rows_and_pads_between() -> None:
+    assert layout([2], 4) == RowLayout(3, (2,), (0, 1))
+    assert layout([3, 1], 4) == RowLayout(4, (3, 1), (0, 2))
+    assert layout([0, 1, 2, 3], 4) == RowLayout(4, (0, 1, 2, 3), ())
+    assert layout([5, 4], 4) == RowLayout(2, (1, 0), ())  # instance 1's rows
+
+
+@pytest.mark.parametrize(
+    ("slots", "says"),
+    [([], "at least one"), ([1, 1], "share a row"), ([0, 4], "not all of instance 0")],
+)
+def test_direct_layout_refuses_what_dispatch_never_forms(slots: list[int], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        layout(slots, 4)
 
 
 def test_second_start_unknown_and_ended_are_refused_saying_which() -> None:

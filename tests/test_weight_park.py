@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from aserve.engines.weight_park import ParkError, WeightPark
+from aserve.engines.base import ParkError
+from aserve.engines.weight_park import WeightPark
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -236,8 +236,8 @@ class SequenceControls(_Frozen):
     """Which declared inputs the server fills for a sequence's request (Triton's
     ``control_input``): each names one of the model's ``inputs``, of shape [1],
     left out of what a client sends. ``start`` is 1 on a sequence's first
-    request, ``end`` on its last, ``ready`` 1 on every request (a request in a
-    batch is always ready here), ``corrid`` the sequence's id (UINT64 or INT64
+    request, ``end`` on its last, ``ready`` 1 on every request (0 on a padding
+    row of a ``direct`` batch), ``corrid`` the sequence's id (UINT64 or INT64
     for a numeric id, BYTES for a string one). Each is None when not used."""
 
     start: Annotated[str | None, Field(pattern=_NAME)] = None
@@ -282,7 +282,9 @@ class SequenceBatchingConfig(_Frozen):
     batch never holding two of one sequence.
 
     ``direct`` gives each sequence a slot of its own among ``max_batch_size``
-    times ``instances`` (its index is the handler's ``request.sequence.slot``);
+    times ``instances`` (its index is the handler's ``request.sequence.slot``),
+    bound to one instance and batch row: a model of tensors on instance
+    threads gets each request at its sequence's row, padding between;
     ``oldest`` lets up to ``max_candidate_sequences`` sequences be active at
     once. A start that finds every slot held waits for one until its
     deadline, then is refused (503); ``batching.max_queue_size`` starts may
@@ -291,8 +293,8 @@ class SequenceBatchingConfig(_Frozen):
     """
 
     strategy: Literal["direct", "oldest"] = "direct"
-    """How slots are counted: one per batch item (``direct``) or
-    ``max_candidate_sequences`` (``oldest``)."""
+    """How slots are counted: one per batch row of each instance, each sequence
+    on its own row (``direct``), or ``max_candidate_sequences`` (``oldest``)."""
     max_candidate_sequences: Annotated[int | None, Field(ge=1, le=1_000_000)] = None
     """``oldest`` only: sequences active at once (default: max_batch_size times
     instances)."""

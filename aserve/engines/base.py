@@ -16,6 +16,11 @@ from aserve.config import ModelConfig
 from aserve.engines import batching
 
 
+class ParkError(RuntimeError):
+    """A parked engine's weights cannot be read back (its file changed since the
+    load, or a read failed): the caller loads the model anew."""
+
+
 class Engine(abc.ABC):
     """Runs one model version. Thread-safety contract:
 

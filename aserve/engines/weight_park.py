@@ -34,12 +34,10 @@ from typing import Any
 
 import torch
 
+from aserve.engines.base import ParkError
+
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # a zip's local file header, 30 bytes
 _DIGEST = 16
-
-
-class ParkError(RuntimeError):
-    """The weights cannot be read back (the file changed, or a read failed)."""
 
 
 @dataclass

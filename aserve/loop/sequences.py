@@ -15,7 +15,9 @@ batched runtime's). Each request passes :meth:`Sequences.turn`:
 - a sequence's requests run one at a time, in the order they came: the next
   waits for the previous one's answer (until its own deadline). So the
   batcher, which batches requests of different sequences as it batches any,
-  never holds two of one sequence;
+  never holds two of one sequence (under ``direct``, a model of tensors on
+  instance threads has a batcher per instance and each request at its
+  sequence's row: :mod:`aserve.loop.direct`);
 - the control inputs and implicit states are filled in (:meth:`Turn.fill`),
   the state outputs kept and taken out of the answer (:meth:`Turn.keep`);
 - a sequence with no request for ``max_sequence_idle_microseconds`` is
@@ -283,6 +285,15 @@ class Sequences:
         for name, _, initial in self._states:
             filled[name] = initial if info.start else seq.implicit.get(name, initial)
         return filled
+
+    def kept(self, slot: int) -> dict[str, np.ndarray] | None:
+        """The implicit states kept for the sequence holding ``slot`` (None: a free slot).
+
+        Read on instance threads (``direct``'s padding rows) while the loop
+        replaces entries: each value is a fresh array, never written in place.
+        """
+        seq = self.table.holders.get(slot)
+        return None if seq is None else seq.implicit
 
     def keep(self, outputs: dict[str, np.ndarray], seq: Sequence) -> dict[str, np.ndarray]:
         if not self._states:

@@ -69,6 +69,7 @@ class SequenceTable:
         self.idle_s = idle_s
         self.open: dict[SequenceId, Sequence] = {}
         self._free = list(range(slots))  # a heap: the lowest free slot first
+        self.holders: dict[int, Sequence] = {}  # slot -> the open sequence holding it
         self._ended: OrderedDict[SequenceId, str] = OrderedDict()
 
     @property
@@ -121,6 +122,7 @@ class SequenceTable:
         if not self._free:
             return False
         seq.slot = heapq.heappop(self._free)
+        self.holders[seq.slot] = seq
         return True
 
     def close(self, seq: Sequence, why: str) -> bool:
@@ -138,6 +140,7 @@ class SequenceTable:
         seq.implicit.clear()
         if seq.slot is None:
             return False
+        del self.holders[seq.slot]
         heapq.heappush(self._free, seq.slot)
         return True
 

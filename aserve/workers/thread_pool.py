@@ -223,8 +223,7 @@ class ExecutorPool:
         (:func:`~aserve.workers.offload.leave_behind`)."""
         self._stopping = True
         threads = list(self._threads.items())
-        for _ in threads:
-            self._jobs.put(_STOP)
+        self._send_stops(len(threads))
         deadline = time.monotonic() + timeout
         for index, t in threads:
             await asyncio.to_thread(t.join, max(0.0, deadline - time.monotonic()))
@@ -235,6 +234,15 @@ class ExecutorPool:
                 leave_behind(t, f"instance {index} of model '{self.name}', in a batch")
         self._threads.clear()
 
+    def _send_stops(self, threads: int) -> None:
+        """Tell ``threads`` instance threads to exit once their current batch is done."""
+        for _ in range(threads):
+            self._jobs.put(_STOP)
+
+    def _queue_of(self, index: int) -> queue.SimpleQueue[Any]:
+        """The queue instance ``index`` takes its jobs from: the one they all share."""
+        return self._jobs
+
     # --- supervision (on the loop) ----------------------------------------------
 
     def _on_thread_died(self, index: int, error: BaseException) -> None:
@@ -243,7 +251,7 @@ class ExecutorPool:
         if self._stopping:
             # It took a _STOP meant for itself with it; a thread still waiting
             # for one would wait forever.
-            self._jobs.put(_STOP)
+            self._queue_of(index).put(_STOP)
             return
         log.error("executor thread %d of '%s' died (%r); restarting it", index, self.name, error)
         self._live_changed()
@@ -282,10 +290,11 @@ class ExecutorPool:
 
         engine = self.engine
         post = poster(loop)
+        jobs = self._queue_of(index)
         job: Any = None
         try:
             while True:
-                job = self._jobs.get()
+                job = jobs.get()
                 if job is _STOP:
                     return
                 if type(job) is Staged:

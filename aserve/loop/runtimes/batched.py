@@ -19,11 +19,11 @@ import numpy as np
 from aserve.codecs.sequence import refuse_sequence
 from aserve.config import GpuConfig, ModelConfig, TensorSpec
 from aserve.engines import builtin, create_engine
-from aserve.engines.base import Engine
-from aserve.engines.weight_park import ParkError
+from aserve.engines.base import Engine, ParkError
 from aserve.errors import InvalidArgument, Unavailable
 from aserve.loop.batcher import Batcher
 from aserve.loop.device_scheduler import DeviceScheduler
+from aserve.loop.direct import direct_rows, instance_batchers, pinned_pool, with_slot
 from aserve.loop.request import InferenceRequest
 from aserve.loop.runtimes.base import (
     CUT_SHORT_STOP_S,
@@ -40,6 +40,7 @@ from aserve.types.tensors import numpy_dtype
 from aserve.workers.batch_process import ProcessPool, worker_spec
 from aserve.workers.job import BatchJob, ChildProcesses, EnginePool
 from aserve.workers.offload import run_off_loop
+from aserve.workers.pinned_pool import PinnedPool
 from aserve.workers.thread_pool import ExecutorPool
 
 log = logging.getLogger("aserve.model")
@@ -93,6 +94,8 @@ class ModelRuntime(Runtime):
         self._make_pool = pool
         self._pool: EnginePool | None = None
         self.batcher: Batcher | None = None
+        # A direct sequence model's batcher per instance (batcher is the first).
+        self._batchers: list[Batcher] = []
         self._device: DeviceScheduler | None = None  # the shared device it runs on, if any
         self._parked = False  # its weights released, the rest kept (park)
 
@@ -215,15 +218,23 @@ class ModelRuntime(Runtime):
             self.load_step = "loading the model"
             await run_off_loop(f"loading model '{self.label}'", engine.load)
             self.load_step = "starting the instance threads"
-            self._pool = ExecutorPool(engine, c.instances, self.name)
+            if self.sequences is not None and direct_rows(c):
+                self._pool = pinned_pool(engine, c, self.name, self.sequences)
+            else:
+                self._pool = ExecutorPool(engine, c.instances, self.name)
             try:
                 await self._pool.start()
             except BaseException:
                 await self.free_off_loop(engine.unload)
                 raise
         self._serve_specs_of(engine.config)
-        self.batcher = Batcher(self.label, self.config.batching, self._pool, self.stats)
-        self.batcher.share(self._device)
+        if isinstance(self._pool, PinnedPool):
+            self._batchers = instance_batchers(self.label, c.batching, self._pool, self.stats)
+            self.batcher = self._batchers[0]
+        else:
+            self.batcher = Batcher(self.label, self.config.batching, self._pool, self.stats)
+        for batcher in self._each_batcher():
+            batcher.share(self._device)
         return path
 
     async def _start_processes(self, engine: Engine, path: Path | None) -> ProcessPool:
@@ -325,7 +336,8 @@ class ModelRuntime(Runtime):
         if job.error is not None:
             raise RuntimeError(f"{what or f'warm-up with batch size {size}'} failed: {job.error}")
         if measure:
-            self.batcher.latency.observe(size, job.tag[2])
+            for batcher in self._each_batcher():
+                batcher.latency.observe(size, job.tag[2])
         assert job.outputs is not None
         return job.outputs
 
@@ -381,8 +393,11 @@ class ModelRuntime(Runtime):
     ) -> dict[str, np.ndarray]:
         since = time.monotonic() if arrival is None else arrival
         async with sequences.turn(parameters, batch_size, since + timeout_s) as turn:
+            filled, via = turn.fill(inputs), None
+            if self._batchers:  # direct: the request runs on its sequence's instance and row
+                filled, via = with_slot(filled, turn.info.slot, self._batchers)
             outputs = await self._infer(
-                turn.fill(inputs), batch_size, shape_key, timeout_s, client_id, parameters, since
+                filled, batch_size, shape_key, timeout_s, client_id, parameters, since, via
             )
             return turn.keep(outputs)
 
@@ -395,6 +410,7 @@ class ModelRuntime(Runtime):
         client_id: str | None,
         parameters: dict[str, Any] | None,
         arrival: float | None,
+        via: Batcher | None = None,
     ) -> dict[str, np.ndarray]:
         now = time.monotonic()
         since = now if arrival is None else arrival  # what the deadline counts from
@@ -405,7 +421,7 @@ class ModelRuntime(Runtime):
         reason = self.not_ready_reason()
         if reason is not None:
             raise Unavailable(reason)
-        batcher = self.batcher
+        batcher = via or self.batcher
         assert batcher is not None
         if batcher.leveled or (parameters and "priority" in parameters):
             req.level = level = batcher.level_of(priority_of(parameters))
@@ -416,7 +432,7 @@ class ModelRuntime(Runtime):
         try:
             return await req.future
         except asyncio.CancelledError:
-            self.batcher.forget(req)
+            batcher.forget(req)
             raise
         finally:
             info = CURRENT.get()
@@ -447,22 +463,28 @@ class ModelRuntime(Runtime):
 
     # --- state seen by others -----------------------------------------------------
 
+    def _each_batcher(self) -> list[Batcher]:
+        """Its batchers: one per instance for a direct sequence model, else the one."""
+        return self._batchers or ([] if self.batcher is None else [self.batcher])
+
     @property
     def busy(self) -> bool:
+        if self._batchers:
+            return not all(b.idle for b in self._batchers)
         return self.batcher is not None and not self.batcher.idle
 
     reconfigurable = staticmethod(batching_reconfigurable)
 
     def reconfigure(self, config: ModelConfig) -> None:
         super().reconfigure(config)
-        if self.batcher is not None:
-            self.batcher.reconfigure(config.batching)
+        for batcher in self._each_batcher():
+            batcher.reconfigure(config.batching)
 
     def share(self, device: DeviceScheduler | None) -> None:
         """Run batches on ``device``'s shared slots (None: on its own instances alone)."""
         self._device = device
-        if self.batcher is not None:
-            self.batcher.share(device)
+        for batcher in self._each_batcher():
+            batcher.share(device)
 
     def metadata(self) -> dict[str, Any]:
         return tensor_metadata(self, platform_of(self.config))
@@ -482,7 +504,14 @@ class ModelRuntime(Runtime):
 
     def statistics(self) -> dict[str, Any]:
         b = self.batcher
-        doc = self.stats.as_dict(b.pending if b else 0, b.running if b else 0)
+        if self._batchers:
+            doc = self.stats.as_dict(
+                sum(x.pending for x in self._batchers), sum(x.running for x in self._batchers)
+            )
+            assert isinstance(self._pool, PinnedPool)
+            doc["instance_batches"] = list(self._pool.batches)  # an aserve extension
+        else:
+            doc = self.stats.as_dict(b.pending if b else 0, b.running if b else 0)
         if b is not None:
             doc["admission_margin"] = b.margin.factor  # an aserve extension, like "rejected"
         if self.sequences is not None:
@@ -493,8 +522,8 @@ class ModelRuntime(Runtime):
         """Let running batches end, stop the instances, free the model."""
         if self.sequences is not None:
             self.sequences.close()
-        if self.batcher is not None:
-            self.batcher.close()
+        for batcher in self._each_batcher():
+            batcher.close()
         pool = self._pool
         if pool is not None:
             await pool.stop(self.stop_timeout_s)
