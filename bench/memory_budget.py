@@ -41,6 +41,7 @@ Measured, for each rule:
 
     python -m bench.memory_budget [--duration 300] [--rate 20] [--deadline-ms 2000]
         [--policy both|cost|lru] [--resident-hot] [--device cpu|cuda:N]
+        [--park default|on|off]
 
 With ``--device cuda:N`` the models and the budget are on that GPU, and the
 memory sampled is the device's own (``torch.cuda.mem_get_info``: what every
@@ -88,6 +89,7 @@ METRICS_EVERY_S = 0.5
 POLICIES = ("cost", "lru")
 # Where the models run (--device): cpu, or a GPU whose memory is then what is sampled.
 DEVICE = "cpu"
+PARK: bool | None = None  # the device's park_evicted (None: its default)
 
 
 # --- the models -------------------------------------------------------------------
@@ -160,6 +162,8 @@ def write_config(
     }  # fmt: skip
     if budget_mib is not None:
         config["devices"] = {DEVICE: {"memory_budget_mib": budget_mib, "eviction": eviction}}
+        if PARK is not None:
+            config["devices"][DEVICE]["park_evicted"] = PARK
     path = folder / (f"budget-{eviction}.json" if budget_mib is not None else "hot-only.json")
     path.write_text(json.dumps(config, indent=2))
     return path
@@ -687,10 +691,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=("both", *POLICIES), default="both",
                    help="the device's eviction rule; both: one server each, in turn")  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu, or cuda:N: the models on that GPU")
+    p.add_argument("--park", choices=("default", "on", "off"), default="default",
+                   help="the device's park_evicted: its default, true or false")  # fmt: skip
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results-memory-budget.json")
     args = p.parse_args(argv)
-    global DEVICE
+    global DEVICE, PARK
     DEVICE = args.device
+    PARK = None if args.park == "default" else args.park == "on"
     folder = Path(tempfile.mkdtemp(prefix="aserve-memory-"))
     try:
         policies = POLICIES if args.policy == "both" else (args.policy,)
@@ -700,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     results["command"] = "python -m bench.memory_budget " + " ".join(argv or sys.argv[1:])
     results["device"] = DEVICE
+    results["park_evicted"] = PARK
     args.json.write_text(json.dumps(results, indent=2))
     print(render(results))
     return 0

@@ -100,11 +100,14 @@ def ballast_model(name: str, folder: Path, mib: int, **extra: Any) -> dict[str, 
 
 
 def budget(
-    mib: int = BUDGET_MIB, grpc: bool = False, eviction: str | None = None
-) -> dict[str, Any]:
+    mib: int = BUDGET_MIB, grpc: bool = False, eviction: str | None = None,
+    park: bool | None = None,
+) -> dict[str, Any]:  # fmt: skip
     cpu: dict[str, Any] = {"memory_budget_mib": mib}
     if eviction is not None:
         cpu["eviction"] = eviction
+    if park is not None:
+        cpu["park_evicted"] = park
     config: dict[str, Any] = {"devices": {"cpu": cpu}}
     if grpc:
         config["grpc"] = {"host": "127.0.0.1", "port": 0}
@@ -283,6 +286,8 @@ async def test_the_model_cheapest_to_evict_goes_and_the_budget_holds(
             assert _state(index, "a") == ("READY", "")
             assert _state(index, "c")[1] == "evicted: to make room for model 'b/1'"
             assert index["b"]["memory"]["loads"]["ok"] == 2
+            assert index["b"]["memory"]["restores"] == 0  # a CPU device does not park by default
+            assert not any(e.parked for e in srv.server.memory.device("cpu").entries())
             assert index["a"]["memory"]["loads"]["ok"] == 1
             assert c.used_mib() <= BUDGET_MIB
             text = await c.metrics()
@@ -435,16 +440,16 @@ async def test_loads_on_a_budgeted_device_run_one_at_a_time(folder: Path) -> Non
 async def test_an_evicted_model_is_parked_and_its_weights_read_back(
     folder: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An evicted TorchScript model releases its weights and keeps its module: its
-    next load reads them back (a restore, no fresh load), the same answers, the
-    rest it keeps counted against the budget; its file changed meanwhile, it is
-    loaded anew."""
+    """With park_evicted, an evicted TorchScript model releases its weights and
+    keeps its module: its next load reads them back (a restore, no fresh load),
+    the same answers, the rest it keeps counted against the budget; its file
+    changed meanwhile, it is loaded anew."""
     caplog.set_level(logging.INFO, logger="aserve")
     original = (folder / "w2.pt").resolve()
     (folder / "w2.pt").unlink()
     shutil.copy(original, folder / "w2.pt")  # a copy of its own: touched below
     models = [torch_model("a", "w1.pt"), torch_model("b", "w2.pt"), torch_model("c", "w3.pt")]
-    async with in_process({**budget(), "models": models}, folder) as srv:
+    async with in_process({**budget(park=True), "models": models}, folder) as srv:
         async with aiohttp.ClientSession() as session:
             c = Client(session, srv)
             for name in ["a"] * HOT + ["b", "c"]:  # c's load evicts b, asked once

@@ -1032,6 +1032,15 @@ class DeviceConfig(_Frozen):
     request counting half after 30 s) times its mean load time, ties least
     recently used first; ``lru``, the least recently used, whatever its rate.
     Applies in place on a reload."""
+    park_evicted: bool | None = None
+    """Whether an evicted TorchScript model is parked: its weights released,
+    its compiled module, instance and latency estimates kept, and its next
+    load reads the weights back from its file (no ``torch.jit.load``, no
+    warm-up), what it still holds counted against ``memory_budget_mib``.
+    None (the default): on CUDA devices, where what a parked model holds is
+    host memory; not on the CPU, where it is the budget's own memory and,
+    measured under Zipf traffic, parking left the hot models' tail no better.
+    Applies in place on a reload."""
 
 
 class ServerConfig(_Frozen):

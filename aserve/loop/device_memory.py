@@ -42,7 +42,7 @@ class OnDemand(Protocol):
     @property
     def busy(self) -> bool: ...
     async def until_idle(self, timeout_s: float) -> bool: ...
-    async def evict(self, reason: str) -> int | None: ...
+    async def evict(self, reason: str, park: bool) -> int | None: ...
 
 
 @dataclass
@@ -85,9 +85,12 @@ class ModelMemory:
         return estimate_load_s(self.file_bytes or 0)
 
     def full_load_s(self) -> float:
-        """How long a load of it that is not a restore takes (a parked model's
-        next load, once it is unloaded): its last, else as expected."""
-        return self.full_s if self.full_s is not None else self.expected_load_s()
+        """How long a load of it that is not a restore takes, for what evicting it
+        costs: the mean of its measured loads, or its last full one where some
+        were restores; else estimated from its files."""
+        if self.full_s is not None and self.restores:
+            return self.full_s
+        return self.mean_load_s()
 
     def mean_load_s(self) -> float:
         """How long a load of it takes, for what evicting it costs: the mean of its
@@ -156,6 +159,7 @@ class DeviceMemory:
         self.name = name
         self.budget_mib = budget_mib
         self.eviction: Policy = eviction  # which idle model leaves first (sched.eviction)
+        self.park = False  # evicted models parked (park_evicted), not unloaded
         # Held for a whole load on a budgeted device (one load at a time, so that
         # each measure is the model's own); each device has its own.
         self.lock = asyncio.Lock()

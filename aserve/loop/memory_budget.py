@@ -48,7 +48,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from aserve.config import ModelConfig, ServerConfig
+from aserve.config import DeviceConfig, ModelConfig, ServerConfig
 from aserve.engines import builtin
 from aserve.engines.footprint import (
     children_rss_bytes,
@@ -114,6 +114,7 @@ class MemoryBudget:
             entry = config.devices.get(name)
             dev.budget_mib = entry.memory_budget_mib if entry is not None else None
             dev.eviction = entry.eviction if entry is not None else "cost"
+            dev.park = _parks(name, entry)
         for name in config.devices:
             self.device(name)
         budgeted = [d for d in self._devices.values() if d.budget_mib is not None]
@@ -127,6 +128,7 @@ class MemoryBudget:
             budget = entry.memory_budget_mib if entry is not None else None
             eviction = entry.eviction if entry is not None else "cost"
             dev = self._devices[name] = DeviceMemory(name, budget, eviction)
+            dev.park = _parks(name, entry)
         return dev
 
     def record(self, config: ModelConfig) -> ModelMemory:
@@ -349,8 +351,13 @@ class MemoryBudget:
                         e.owner.busy if e.owner is not None else e.runtime.busy
                     ),
                     rate_per_s=e.record.requests.per_s(now),
-                    # Parked, it is unloaded if evicted: its next load is a full one.
-                    load_s=e.record.full_load_s() if e.parked else e.record.mean_load_s(),
+                    # A full load's time, even where a restore would be quicker: a
+                    # request for an evicted model waits for the loads queued ahead
+                    # of its own too, and priced at a cheap restore, the hot models
+                    # were evicted and restored over and over (bench/memory_budget.py:
+                    # the second hottest's own loads went from 7 to 120 in 120 s,
+                    # its p99 from 9x to 73x a server serving only the hot three).
+                    load_s=e.record.full_load_s(),
                 )
                 for i, e in enumerate(entries)
             ]  # fmt: skip
@@ -383,7 +390,7 @@ class MemoryBudget:
             )  # fmt: skip
             victim.record.evictions += 1
             dev.forget(victim.runtime)
-            released = await victim.owner.evict(f"to make room for model '{label}'")
+            released = await victim.owner.evict(f"to make room for model '{label}'", dev.park)
             if not dev.name.startswith("cuda"):
                 await run_off_loop("returning an evicted model's memory", release_freed_memory)
             if released is not None:
@@ -463,6 +470,14 @@ class MemoryBudget:
 
 def _why(why: str) -> str:
     return f" ({why})" if why else ""
+
+
+def _parks(name: str, entry: DeviceConfig | None) -> bool:
+    """Whether the device parks its evicted models (``park_evicted``; by default
+    on CUDA devices only)."""
+    if entry is not None and entry.park_evicted is not None:
+        return entry.park_evicted
+    return name.startswith("cuda")
 
 
 def _reading(config: ModelConfig) -> int | None:

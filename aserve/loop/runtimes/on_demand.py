@@ -353,10 +353,11 @@ class OnDemandRuntime(Runtime):
         self._load = self._loading = None
         return inner
 
-    async def evict(self, reason: str) -> int | None:
-        """Make room (the budget chose it: idle): park the loaded runtime where it
-        can (its weights released, its compiled module, instances and latency
-        estimates kept: the next load reads the weights back), else unload it;
+    async def evict(self, reason: str, park: bool = False) -> int | None:
+        """Make room (the budget chose it: idle): with ``park``, park the loaded
+        runtime where it can (its weights released, its compiled module,
+        instances and latency estimates kept: the next load reads the weights
+        back), else unload it;
         the bytes a park released, None when it unloaded. Evicted while parked,
         the parked runtime is unloaded.
 
@@ -370,7 +371,7 @@ class OnDemandRuntime(Runtime):
             if parked is not None:
                 await parked.unload()
             return None
-        released = await inner.park()
+        released = await inner.park() if park else None
         if released is None:
             await inner.unload()
             return None
