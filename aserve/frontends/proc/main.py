@@ -1,0 +1,90 @@
+"""A frontend process of ``http.workers``: ``python -m aserve.frontends.proc.main SPEC INDEX
+CONTROL_FD LISTEN_FD...`` (frontends layer; the process's main thread runs its loop).
+
+Started by the core (:mod:`.pool`), never by hand. ``SPEC`` is the JSON file
+of what it reads of the config (:func:`.pool.frontend_settings`, the core's
+socket among it); the descriptors are inherited: ``CONTROL_FD`` one end of
+the core's control channel, each ``LISTEN_FD`` a listening socket the core
+bound. It serves until told to drain (:data:`~.wire.DRAIN_LINE`, or SIGTERM:
+a service manager that signals every process of the server at once must not
+cost a request), and exits at once when the control channel reaches EOF (the
+core is gone). SIGINT is ignored: a Ctrl-C in a terminal reaches the whole
+process group, and the core drains the frontends itself.
+
+It never imports torch or any engine: everything it does is HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from aserve.frontends.proc.frontend import Frontend
+from aserve.frontends.proc.wire import DRAIN_LINE, READY_LINE
+from aserve.obs import logs
+
+log = logging.getLogger("aserve.http.frontend")
+
+
+async def serve(settings: dict[str, object], control_fd: int, listen_fds: list[int]) -> int:
+    """Serve until drained (0) or until the core is gone (1)."""
+    loop = asyncio.get_running_loop()
+    control = socket.socket(fileno=control_fd)
+    reader, writer = await asyncio.open_unix_connection(sock=control)
+    sockets = [socket.socket(fileno=fd) for fd in listen_fds]
+    frontend = Frontend(settings, sockets)
+    await frontend.start()
+    writer.write(READY_LINE)
+    await writer.drain()
+    drain = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, drain.set)
+
+    async def read_control() -> bool:
+        """True: told to drain; False: the core is gone."""
+        while True:
+            line = await reader.readline()
+            if line == DRAIN_LINE:
+                return True
+            if not line:
+                return False
+
+    told = asyncio.ensure_future(read_control())
+    signalled = asyncio.ensure_future(drain.wait())
+    await asyncio.wait([told, signalled], return_when=asyncio.FIRST_COMPLETED)
+    if told.done() and not told.result():
+        log.warning("the core is gone: this frontend process (pid %d) exits", os.getpid())
+        return 1
+    signalled.cancel()
+    await frontend.close_listeners()
+    drain_s = settings["drain_s"]
+    assert isinstance(drain_s, float | int)
+    if not await frontend.drain(float(drain_s)):
+        log.warning("frontend process %d: connections still open at its drain's end", os.getpid())
+    await frontend.stop()
+    told.cancel()
+    writer.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    spec, _index, control_fd, *listen_fds = argv
+    settings = json.loads(Path(spec).read_text())
+    logs.configure(settings["log_level"], os.environ.get(logs.FORMAT_ENV, "text"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    return runner(serve(settings, int(control_fd), [int(fd) for fd in listen_fds]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

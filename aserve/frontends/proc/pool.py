@@ -1,0 +1,248 @@
+"""The core's side of ``http.workers``: its private socket and the frontend processes'
+lives (frontends layer, on the loop).
+
+:class:`BehindFrontends` binds the public address (:mod:`.listeners`), serves
+the core's own aiohttp app on a Unix socket in a private folder, and keeps
+``http.workers`` frontend processes (:mod:`.main`) running:
+
+- **spawn**: ``python -m aserve.frontends.proc.main``, a fresh interpreter
+  (never a fork of the core, which holds threads and maybe torch), handed the
+  listening sockets and one end of a socket pair (its control channel) as
+  inherited descriptors; it is up once it writes :data:`~.wire.READY_LINE`.
+  A first start that fails fails the server's start.
+- **restart**: a frontend that exits while the server is not stopping is
+  started again at once; a start that fails is retried after
+  :data:`~aserve.workers.supervisor.RESTART_BACKOFF_S`, as the model
+  processes are. What it held is lost with it: its connections to the core
+  close, so the core cancels its requests in flight (as it does for any
+  client gone); the other frontends' connections are not touched.
+- **drain**: :data:`~.wire.DRAIN_LINE` to each; a frontend stops accepting,
+  answers what it holds and exits (:mod:`.frontend`); the core's app serves
+  them until then.
+- **stop**: what is still running after the drain is killed.
+
+A frontend whose control channel reaches EOF (the core is gone, even killed)
+exits at once, so none outlives its core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from aserve.frontends.proc.listeners import bind_public, private_dir, remove_private_dir
+from aserve.frontends.proc.wire import CORE_SOCKET_NAME, DRAIN_LINE, READY_LINE
+from aserve.workers.supervisor import RESTART_BACKOFF_S, restart_delay
+
+if TYPE_CHECKING:
+    from aserve.config import ServerConfig
+
+log = logging.getLogger("aserve.http")
+
+MODULE = "aserve.frontends.proc.main"
+# A frontend's start is an interpreter importing aiohttp and the frontend's modules.
+READY_TIMEOUT_S = 60.0
+# How long after its drain began a frontend gives up on what it still holds: the
+# core's own drain_timeout_s, then the cut-off that follows it, then this.
+DRAIN_MARGIN_S = 1.0
+_KILL_WAIT_S = 5.0
+
+
+class FrontendStartError(OSError):
+    """A frontend process could not start: the message says how it ended."""
+
+
+def frontend_settings(config: ServerConfig, base_dir: Path, cut_off_s: float) -> dict[str, Any]:
+    """What a frontend process reads of the server's config (its spec file's JSON)."""
+    limits = config.limits
+    return {
+        "http": config.http.model_dump(mode="json"),
+        "tls": None if config.tls is None else config.tls.model_dump(mode="json"),
+        "base_dir": str(base_dir),
+        "max_connections": limits.max_connections,
+        "max_pending_connections": limits.max_pending_connections,
+        "drain_s": config.drain_timeout_s + cut_off_s + DRAIN_MARGIN_S,
+        "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+    }
+
+
+class _Frontend:
+    """One frontend process slot: the process now in it, its control channel."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.proc: asyncio.subprocess.Process | None = None
+        self.control: asyncio.StreamWriter | None = None
+        self.keeper: asyncio.Task[None] | None = None  # restarts it while not stopping
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def tell_drain(self) -> None:
+        control = self.control
+        if control is not None and not control.is_closing():
+            control.write(DRAIN_LINE)
+
+
+class BehindFrontends:
+    """The public sockets, the core's private socket and ``http.workers`` frontends."""
+
+    def __init__(self, config: ServerConfig, base_dir: Path, cut_off_s: float = 2.0) -> None:
+        self._count = config.http.workers
+        self._host = config.http.host
+        self._port = config.http.port
+        self._settings = frontend_settings(config, base_dir, cut_off_s)
+        self._sockets: list[socket.socket] = []
+        self._dir: Path | None = None
+        self._site: web.UnixSite | None = None
+        self._frontends = [_Frontend(i) for i in range(self._count)]
+        self._stopping = False
+        self.restarts = 0  # frontends started again after one exited
+
+    @property
+    def pids(self) -> list[int]:
+        return [f.pid for f in self._frontends if f.pid is not None]
+
+    async def start(self, runner: web.AppRunner) -> list[tuple[str, int]]:
+        """Bind the public address, serve ``runner``'s app on the private socket and
+        start every frontend; the addresses bound. An :class:`OSError` (a bind, a
+        frontend that did not start) leaves nothing behind."""
+        self._sockets = bind_public(self._host, self._port)
+        try:
+            self._dir = private_dir()
+            path = self._dir / CORE_SOCKET_NAME
+            self._settings["core_socket"] = str(path)
+            (self._dir / "frontend.json").write_text(json.dumps(self._settings))
+            self._site = web.UnixSite(runner, str(path))
+            await self._site.start()
+            await asyncio.gather(*(self._spawn(f) for f in self._frontends))
+        except BaseException:
+            self._stopping = True
+            await self._kill_all()
+            self._close_sockets()
+            if self._dir is not None:
+                remove_private_dir(self._dir)
+            raise
+        for f in self._frontends:
+            f.keeper = asyncio.create_task(self._keep(f), name=f"http-frontend-{f.index}")
+        return [s.getsockname()[:2] for s in self._sockets]
+
+    async def _spawn(self, f: _Frontend) -> None:
+        """Start frontend ``f`` and wait until it listens (:class:`FrontendStartError`
+        when it exits or stays silent first)."""
+        assert self._dir is not None
+        ours, theirs = socket.socketpair()
+        fds = [theirs.fileno(), *(s.fileno() for s in self._sockets)]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", MODULE, str(self._dir / "frontend.json"), str(f.index),
+                *map(str, fds),
+                stdin=asyncio.subprocess.DEVNULL,
+                pass_fds=fds,
+            )  # fmt: skip
+        finally:
+            theirs.close()  # its copy: EOF must reach the core when the frontend exits
+        f.proc = proc
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        f.control = writer
+        try:
+            line = await asyncio.wait_for(reader.readline(), READY_TIMEOUT_S)
+        except TimeoutError:
+            line = b""
+        if line != READY_LINE:
+            writer.close()
+            if proc.returncode is None:
+                proc.kill()
+            status = await proc.wait()
+            raise FrontendStartError(
+                f"HTTP frontend process {f.index} (pid {proc.pid}) ended with status {status} "
+                "before it was listening (its log above says why)"
+            )
+        log.info("HTTP frontend process %d is up (pid %d)", f.index, proc.pid)
+        if self._stopping:  # the drain began while it started
+            f.tell_drain()
+
+    async def _keep(self, f: _Frontend) -> None:
+        """Restart frontend ``f`` each time it exits, until the server stops."""
+        while True:
+            assert f.proc is not None
+            status = await f.proc.wait()
+            if f.control is not None:
+                f.control.close()
+            if self._stopping:
+                return
+            log.warning(
+                "HTTP frontend process %d (pid %d) exited with status %d; its connections "
+                "are lost, its requests in flight cancelled; starting it again",
+                f.index, f.proc.pid, status,
+            )  # fmt: skip
+            for attempt in range(len(RESTART_BACKOFF_S) * 1000):
+                try:
+                    await self._spawn(f)
+                except OSError as exc:
+                    delay = restart_delay(attempt)
+                    log.warning("%s; trying again in %g s", exc, delay)
+                    await asyncio.sleep(delay)
+                    if self._stopping:
+                        return
+                else:
+                    self.restarts += 1
+                    break
+
+    def close_listeners(self) -> None:
+        """The drain's start: every frontend stops accepting and answers what it
+        holds; the core's copies of the public sockets close."""
+        self._stopping = True
+        for f in self._frontends:
+            f.tell_drain()
+        self._close_sockets()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every frontend has exited; False when ``timeout_s`` passed first."""
+        waits = [f.proc.wait() for f in self._frontends if f.proc is not None]
+        if not waits:
+            return True
+        done, _ = await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=timeout_s)
+        return len(done) == len(waits)
+
+    async def stop(self, timeout_s: float) -> None:
+        """Give what still runs ``timeout_s`` to exit, then kill it."""
+        if not self._stopping:
+            self.close_listeners()
+        if not await self.drain(timeout_s):
+            log.warning("HTTP frontend processes still running after the drain: killing them")
+        await self._kill_all()
+        for f in self._frontends:
+            if f.keeper is not None:
+                f.keeper.cancel()
+        await asyncio.gather(
+            *(f.keeper for f in self._frontends if f.keeper is not None), return_exceptions=True
+        )
+
+    def remove(self) -> None:
+        """The private folder, once the core's app has closed its socket."""
+        if self._dir is not None:
+            remove_private_dir(self._dir)
+            self._dir = None
+
+    async def _kill_all(self) -> None:
+        for f in self._frontends:
+            proc = f.proc
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                try:
+                    await asyncio.wait_for(proc.wait(), _KILL_WAIT_S)
+                except TimeoutError:
+                    log.warning("HTTP frontend process %d (pid %d) did not die", f.index, proc.pid)
+
+    def _close_sockets(self) -> None:
+        for sock in self._sockets:
+            sock.close()
