@@ -30,7 +30,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -78,8 +80,11 @@ class _Frontend:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.control: asyncio.StreamWriter | None = None
+        # Done when the process in the slot has exited: its end of the control
+        # channel reached EOF (at once, however it ended: no child watcher involved).
+        self.gone: asyncio.Future[None] | None = None
         self.keeper: asyncio.Task[None] | None = None  # restarts it while not stopping
 
     @property
@@ -90,6 +95,33 @@ class _Frontend:
         control = self.control
         if control is not None and not control.is_closing():
             control.write(DRAIN_LINE)
+
+    async def exit_status(self) -> int:
+        """Reap the process once it has exited (a pidfd read by the loop: no thread,
+        no child watcher, neither of which a busy server may get to in time)."""
+        proc = self.proc
+        assert proc is not None
+        status = proc.poll()
+        if status is not None:
+            return status
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+        pidfd = os.pidfd_open(proc.pid)
+        try:
+
+            def readable() -> None:
+                loop.remove_reader(pidfd)
+                if not exited.done():
+                    exited.set_result(None)
+
+            loop.add_reader(pidfd, readable)
+            try:
+                await exited
+            finally:
+                loop.remove_reader(pidfd)
+        finally:
+            os.close(pidfd)
+        return proc.wait()  # exited: at once
 
 
 class BehindFrontends:
@@ -141,13 +173,18 @@ class BehindFrontends:
         assert self._dir is not None
         ours, theirs = socket.socketpair()
         fds = [theirs.fileno(), *(s.fileno() for s in self._sockets)]
+        argv = [sys.executable, "-m", MODULE, str(self._dir / "frontend.json"), str(f.index)]
         try:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", MODULE, str(self._dir / "frontend.json"), str(f.index),
-                *map(str, fds),
-                stdin=asyncio.subprocess.DEVNULL,
-                pass_fds=fds,
-            )  # fmt: skip
+            # A fresh interpreter, exec'd at once. On the loop, not a thread: CPython
+            # spawns with vfork here (no preexec_fn), which costs the same however
+            # large the core is, and the default executor may be busy (a restart
+            # must not wait for it).
+            proc = subprocess.Popen(  # noqa: ASYNC220
+                [*argv, *map(str, fds)], stdin=subprocess.DEVNULL, pass_fds=fds
+            )
+        except OSError:
+            ours.close()
+            raise
         finally:
             theirs.close()  # its copy: EOF must reach the core when the frontend exits
         f.proc = proc
@@ -159,13 +196,13 @@ class BehindFrontends:
             line = b""
         if line != READY_LINE:
             writer.close()
-            if proc.returncode is None:
-                proc.kill()
-            status = await proc.wait()
+            proc.kill()
+            status = await f.exit_status()
             raise FrontendStartError(
                 f"HTTP frontend process {f.index} (pid {proc.pid}) ended with status {status} "
                 "before it was listening (its log above says why)"
             )
+        f.gone = asyncio.ensure_future(_eof(reader))
         log.info("HTTP frontend process %d is up (pid %d)", f.index, proc.pid)
         if self._stopping:  # the drain began while it started
             f.tell_drain()
@@ -173,12 +210,13 @@ class BehindFrontends:
     async def _keep(self, f: _Frontend) -> None:
         """Restart frontend ``f`` each time it exits, until the server stops."""
         while True:
-            assert f.proc is not None
-            status = await f.proc.wait()
+            assert f.gone is not None and f.proc is not None
+            await f.gone
             if f.control is not None:
                 f.control.close()
             if self._stopping:
                 return
+            status = await f.exit_status()
             log.warning(
                 "HTTP frontend process %d (pid %d) exited with status %d; its connections "
                 "are lost, its requests in flight cancelled; starting it again",
@@ -207,11 +245,11 @@ class BehindFrontends:
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every frontend has exited; False when ``timeout_s`` passed first."""
-        waits = [f.proc.wait() for f in self._frontends if f.proc is not None]
+        waits = [f.gone for f in self._frontends if f.gone is not None and not f.gone.done()]
         if not waits:
             return True
-        done, _ = await asyncio.wait([asyncio.ensure_future(w) for w in waits], timeout=timeout_s)
-        return len(done) == len(waits)
+        _, pending = await asyncio.wait(waits, timeout=timeout_s)
+        return not pending
 
     async def stop(self, timeout_s: float) -> None:
         """Give what still runs ``timeout_s`` to exit, then kill it."""
@@ -236,13 +274,21 @@ class BehindFrontends:
     async def _kill_all(self) -> None:
         for f in self._frontends:
             proc = f.proc
-            if proc is not None and proc.returncode is None:
+            if proc is not None and proc.poll() is None:
                 proc.kill()
                 try:
-                    await asyncio.wait_for(proc.wait(), _KILL_WAIT_S)
+                    await asyncio.wait_for(f.exit_status(), _KILL_WAIT_S)
                 except TimeoutError:
                     log.warning("HTTP frontend process %d (pid %d) did not die", f.index, proc.pid)
+            elif proc is not None:
+                await f.exit_status()  # reaped: no zombie left
 
     def _close_sockets(self) -> None:
         for sock in self._sockets:
             sock.close()
+
+
+async def _eof(reader: asyncio.StreamReader) -> None:
+    """Until ``reader`` reaches EOF (its process has exited, its descriptors closed)."""
+    while await reader.read(4096):
+        pass
