@@ -300,7 +300,7 @@ class HttpFrontend:
         ssl_context = None if tls is None else server_ssl_context(tls, self._ctx.base_dir)
         self._ssl_context = ssl_context
         if behind:
-            self._frontends = BehindFrontends(self._ctx.config, self._ctx.base_dir, CUT_OFF_S)
+            self._frontends = BehindFrontends(self._ctx, CUT_OFF_S)
             self.addresses = await self._frontends.start(self._runner)
         else:
             self._site = web.TCPSite(

@@ -32,7 +32,9 @@ from aserve.frontends.http.app import StampingServer
 from aserve.frontends.http.auth import server_ssl_context
 from aserve.frontends.http.drain import IdleCloser, take_queued
 from aserve.frontends.http.limits import ConnectionGuard, accept_error_handler, pending_bound
+from aserve.frontends.proc.fast_infer import FastInfer
 from aserve.frontends.proc.proxy import CoreProxy
+from aserve.frontends.proc.rings import RingFds
 from aserve.frontends.proc.wire import FRONTEND_HEADER
 from aserve.obs.fd_limit import fds_in_use, open_file_limit
 
@@ -45,14 +47,25 @@ _CUT_OFF_S = 2.0  # what still runs when the runner stops gets this long
 class Frontend:
     """The aiohttp server of one frontend process over ``sockets``."""
 
-    def __init__(self, settings: dict[str, Any], sockets: list[socket.socket]) -> None:
+    def __init__(
+        self,
+        settings: dict[str, Any],
+        sockets: list[socket.socket],
+        rings: tuple[RingFds, RingFds] | None,
+    ) -> None:
         http = HttpConfig.model_validate(settings["http"])
         self._http = http
         self._settings = settings
         self._sockets = sockets
         self._proxy = CoreProxy(settings["core_socket"], http.keepalive_timeout_s)
         self._app = web.Application()
-        self._app.router.add_route("*", "/{tail:.*}", self._proxy.forward)
+        self._fast: FastInfer | None = None
+        router = self._app.router
+        if rings is not None:
+            self._fast = FastInfer(self._proxy, *rings, settings["max_request_bytes"])
+            for path in ("/v2/models/{model}/infer", "/v2/models/{model}/versions/{version}/infer"):
+                router.add_route("POST", path, self._fast.infer)
+        router.add_route("*", "/{tail:.*}", self._proxy.forward)
         self._app.on_response_prepare.append(self._on_response_prepare)
         self._runner = web.AppRunner(
             self._app,
@@ -70,6 +83,8 @@ class Frontend:
 
     async def start(self) -> None:
         await self._proxy.start()
+        if self._fast is not None:
+            self._fast.start()
         await self._runner.setup()
         server = self._runner.server
         assert server is not None
@@ -141,4 +156,6 @@ class Frontend:
     async def stop(self) -> None:
         self._closing = True
         await self._runner.cleanup()
+        if self._fast is not None:
+            self._fast.stop()
         await self._proxy.close()

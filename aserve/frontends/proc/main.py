@@ -1,11 +1,13 @@
 """A frontend process of ``http.workers``: ``python -m aserve.frontends.proc.main SPEC INDEX
-CONTROL_FD LISTEN_FD...`` (frontends layer; the process's main thread runs its loop).
+CONTROL_FD LISTEN_FDS RING_FDS`` (frontends layer; the process's main thread runs its loop).
 
 Started by the core (:mod:`.pool`), never by hand. ``SPEC`` is the JSON file
 of what it reads of the config (:func:`.pool.frontend_settings`, the core's
 socket among it); the descriptors are inherited: ``CONTROL_FD`` one end of
-the core's control channel, each ``LISTEN_FD`` a listening socket the core
-bound. It serves until told to drain (:data:`~.wire.DRAIN_LINE`, or SIGTERM:
+the core's control channel, ``LISTEN_FDS`` (comma-separated) the listening
+sockets the core bound, ``RING_FDS`` the fast path's rings (the request ring's
+memory, bell and room, then the answer ring's; ``-``: none, every request is
+forwarded). It serves until told to drain (:data:`~.wire.DRAIN_LINE`, or SIGTERM:
 a service manager that signals every process of the server at once must not
 cost a request), and exits at once when the control channel reaches EOF (the
 core is gone). SIGINT is ignored: a Ctrl-C in a terminal reaches the whole
@@ -26,19 +28,25 @@ import sys
 from pathlib import Path
 
 from aserve.frontends.proc.frontend import Frontend
+from aserve.frontends.proc.rings import RingFds
 from aserve.frontends.proc.wire import DRAIN_LINE, READY_LINE
 from aserve.obs import logs
 
 log = logging.getLogger("aserve.http.frontend")
 
 
-async def serve(settings: dict[str, object], control_fd: int, listen_fds: list[int]) -> int:
+async def serve(
+    settings: dict[str, object], control_fd: int, listen_fds: list[int], ring_fds: list[int]
+) -> int:
     """Serve until drained (0) or until the core is gone (1)."""
     loop = asyncio.get_running_loop()
     control = socket.socket(fileno=control_fd)
     reader, writer = await asyncio.open_unix_connection(sock=control)
     sockets = [socket.socket(fileno=fd) for fd in listen_fds]
-    frontend = Frontend(settings, sockets)
+    rings = None
+    if ring_fds:
+        rings = (RingFds(*ring_fds[:3]), RingFds(*ring_fds[3:6]))
+    frontend = Frontend(settings, sockets, rings)
     await frontend.start()
     writer.write(READY_LINE)
     await writer.drain()
@@ -73,7 +81,7 @@ async def serve(settings: dict[str, object], control_fd: int, listen_fds: list[i
 
 
 def main(argv: list[str]) -> int:
-    spec, _index, control_fd, *listen_fds = argv
+    spec, _index, control_fd, listen, rings = argv
     settings = json.loads(Path(spec).read_text())
     logs.configure(settings["log_level"], os.environ.get(logs.FORMAT_ENV, "text"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -83,7 +91,9 @@ def main(argv: list[str]) -> int:
         runner = asyncio.run
     else:
         runner = uvloop.run
-    return runner(serve(settings, int(control_fd), [int(fd) for fd in listen_fds]))
+    listen_fds = [int(fd) for fd in listen.split(",")]
+    ring_fds = [] if rings == "-" else [int(fd) for fd in rings.split(",")]
+    return runner(serve(settings, int(control_fd), listen_fds, ring_fds))
 
 
 if __name__ == "__main__":

@@ -39,12 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from aserve.frontends.proc.fast_core import CoreRings
 from aserve.frontends.proc.listeners import bind_public, private_dir, remove_private_dir
 from aserve.frontends.proc.wire import CORE_SOCKET_NAME, DRAIN_LINE, READY_LINE
 from aserve.workers.supervisor import RESTART_BACKOFF_S, restart_delay
 
 if TYPE_CHECKING:
     from aserve.config import ServerConfig
+    from aserve.frontends.context import FrontendContext
 
 log = logging.getLogger("aserve.http")
 
@@ -70,6 +72,7 @@ def frontend_settings(config: ServerConfig, base_dir: Path, cut_off_s: float) ->
         "base_dir": str(base_dir),
         "max_connections": limits.max_connections,
         "max_pending_connections": limits.max_pending_connections,
+        "max_request_bytes": limits.max_request_bytes,
         "drain_s": config.drain_timeout_s + cut_off_s + DRAIN_MARGIN_S,
         "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     }
@@ -86,6 +89,7 @@ class _Frontend:
         # channel reached EOF (at once, however it ended: no child watcher involved).
         self.gone: asyncio.Future[None] | None = None
         self.keeper: asyncio.Task[None] | None = None  # restarts it while not stopping
+        self.rings: CoreRings | None = None  # the fast path's, new for each start
 
     @property
     def pid(self) -> int | None:
@@ -127,7 +131,11 @@ class _Frontend:
 class BehindFrontends:
     """The public sockets, the core's private socket and ``http.workers`` frontends."""
 
-    def __init__(self, config: ServerConfig, base_dir: Path, cut_off_s: float = 2.0) -> None:
+    def __init__(self, ctx: FrontendContext, cut_off_s: float = 2.0) -> None:
+        config, base_dir = ctx.config, ctx.base_dir
+        self._ctx = ctx
+        # The fast path checks no API keys yet: with keys, every request is forwarded.
+        self._fast = config.auth is None
         self._count = config.http.workers
         self._host = config.http.host
         self._port = config.http.port
@@ -142,6 +150,11 @@ class BehindFrontends:
     @property
     def pids(self) -> list[int]:
         return [f.pid for f in self._frontends if f.pid is not None]
+
+    @property
+    def ring_requests(self) -> int:
+        """Requests the frontends now running handed over their rings."""
+        return sum(f.rings.served for f in self._frontends if f.rings is not None)
 
     async def start(self, runner: web.AppRunner) -> list[tuple[str, int]]:
         """Bind the public address, serve ``runner``'s app on the private socket and
@@ -172,22 +185,31 @@ class BehindFrontends:
         when it exits or stays silent first)."""
         assert self._dir is not None
         ours, theirs = socket.socketpair()
-        fds = [theirs.fileno(), *(s.fileno() for s in self._sockets)]
-        argv = [sys.executable, "-m", MODULE, str(self._dir / "frontend.json"), str(f.index)]
+        listen = [s.fileno() for s in self._sockets]
+        rings = CoreRings(self._ctx, f.index, self._dir) if self._fast else None
+        ring_fds = rings.fds if rings is not None else []
+        fds = [theirs.fileno(), *listen, *ring_fds]
+        argv = [
+            sys.executable, "-m", MODULE, str(self._dir / "frontend.json"), str(f.index),
+            str(theirs.fileno()), ",".join(map(str, listen)), ",".join(map(str, ring_fds)) or "-",
+        ]  # fmt: skip
         try:
             # A fresh interpreter, exec'd at once. On the loop, not a thread: CPython
             # spawns with vfork here (no preexec_fn), which costs the same however
             # large the core is, and the default executor may be busy (a restart
             # must not wait for it).
-            proc = subprocess.Popen(  # noqa: ASYNC220
-                [*argv, *map(str, fds)], stdin=subprocess.DEVNULL, pass_fds=fds
-            )
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=fds)  # noqa: ASYNC220
         except OSError:
             ours.close()
+            if rings is not None:
+                rings.stop()
             raise
         finally:
             theirs.close()  # its copy: EOF must reach the core when the frontend exits
         f.proc = proc
+        if rings is not None:
+            rings.start()
+        f.rings = rings
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         f.control = writer
         try:
@@ -196,6 +218,9 @@ class BehindFrontends:
             line = b""
         if line != READY_LINE:
             writer.close()
+            if rings is not None:
+                rings.stop()
+                f.rings = None
             proc.kill()
             status = await f.exit_status()
             raise FrontendStartError(
@@ -214,6 +239,9 @@ class BehindFrontends:
             await f.gone
             if f.control is not None:
                 f.control.close()
+            if f.rings is not None:  # what it had in flight is cancelled, nobody else's
+                f.rings.stop()
+                f.rings = None
             if self._stopping:
                 return
             status = await f.exit_status()
@@ -261,6 +289,9 @@ class BehindFrontends:
         for f in self._frontends:
             if f.keeper is not None:
                 f.keeper.cancel()
+            if f.rings is not None:
+                f.rings.stop()
+                f.rings = None
         await asyncio.gather(
             *(f.keeper for f in self._frontends if f.keeper is not None), return_exceptions=True
         )

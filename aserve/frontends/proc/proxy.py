@@ -67,8 +67,9 @@ class CoreProxy:
         if self._session is not None:
             await self._session.close()
 
-    async def forward(self, request: web.Request) -> web.StreamResponse:
-        """``request`` answered by the core (a route handler for every path)."""
+    async def forward(self, request: web.Request, read: bytes | None = None) -> web.StreamResponse:
+        """``request`` answered by the core (a route handler for every path); ``read``:
+        its body, when the caller has read it already."""
         assert self._session is not None
         headers = CIMultiDict(
             (k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP | OWN
@@ -76,8 +77,8 @@ class CoreProxy:
         headers[ARRIVAL_HEADER] = repr(request[ARRIVAL_KEY])
         if request.remote:
             headers[FORWARDED_FOR_HEADER] = request.remote
-        body: bytes | aiohttp.StreamReader | None = None
-        if request.body_exists:
+        body: bytes | aiohttp.StreamReader | None = read
+        if read is None and request.body_exists:
             content = request.content
             # All of it arrived with the head (most requests): one write; else as it comes.
             body = await content.read() if content.is_eof() else content
