@@ -375,3 +375,116 @@ def test_sigterm_under_load_answers_every_request_read(model_dir, tmp_path):
     assert len([k for k in counts if k.startswith("pid ")]) == 2, counts  # both served
     for pid in frontend_pids(server).values():
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+# --- the fast path: /infer over the shared-memory rings ---------------------------
+
+RING = "aserve-ring"
+ECHO = '''
+import numpy as np
+
+
+class Echo:
+    """X (FP32 [-1]) -> Y, its values twice: an answer twice as large as its request."""
+
+    def load(self, context):
+        pass
+
+    def warmup_request(self):
+        return {"X": np.zeros((1, 4), np.float32)}
+
+    def preprocess(self, request):
+        return {"x": request.inputs["X"]}
+
+    def infer(self, batch):
+        return {"y": np.concatenate([batch["x"], batch["x"]], axis=1)}
+
+    def postprocess(self, outputs, request):
+        return {"Y": outputs["y"]}
+'''
+
+
+@pytest.fixture(scope="module")
+def echo_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("http-workers-echo")
+    (folder / "echo.py").write_text(ECHO)
+    echo = {
+        "name": "echo", "engine": "python", "handler": "echo:Echo",
+        "inputs": [spec("X", "FP32", [-1])], "outputs": [spec("Y", "FP32", [-1])],
+    }  # fmt: skip
+    srv = start_server(_config(model_dir, folder, [*_models(model_dir)[:1], echo]))
+    yield srv
+    srv.stop()
+
+
+def test_infer_json_and_binary_take_the_ring(workers_server):
+    client = httpclient.InferenceServerClient(workers_server.url, network_timeout=30)
+    try:
+        for binary_in, binary_out in ((False, False), (True, True), (True, False)):
+            inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+            inp.set_data_from_numpy(X.reshape(1, 16), binary_data=binary_in)
+            out = httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary_out)
+            result = client.infer("affine", [inp], outputs=[out], request_id="r-7")
+            assert result.get_response()["id"] == "r-7"
+            assert result.as_numpy("OUTPUT0").shape == (1, 16)
+    finally:
+        client.close()
+
+
+async def test_ring_answers_carry_the_header_and_errors_keep_their_wording(
+    workers_server, session
+):
+    url = f"{workers_server.base}/v2/models/affine/infer"
+    status, answer, headers = await _post(session, url, v2_body("INPUT0", X.tolist(), [1, 16]))
+    assert status == 200 and headers[RING] == "1", answer
+    # Checked by the core against the model, over the ring: the HTTP route's message.
+    status, answer, headers = await _post(session, url, v2_body("INPUT0", [0.0] * 15, [1, 15]))
+    assert status == 400 and headers[RING] == "1"
+    assert answer["error"] == "input 'INPUT0': shape [1, 15] does not match the model's [batch, 16]"
+    # An unknown model: 404 as without frontends.
+    status, answer, _ = await _post(
+        session, f"{workers_server.base}/v2/models/nope/infer", v2_body("X", [1.0], [1, 1])
+    )
+    assert status == 404 and "nope" in answer["error"], answer
+    # What the frontend cannot read goes to the core whole, which says what is wrong.
+    async with session.post(url, data=b"{nope", headers={"Content-Type": JSON_TYPE}) as r:
+        assert r.status == 400 and RING not in r.headers
+        assert "not valid JSON" in (await r.json())["error"]
+
+
+JSON_TYPE = "application/json"
+
+
+async def _binary_echo(session: aiohttp.ClientSession, url: str, values: np.ndarray):
+    """Post ``values`` to the echo model as a binary tensor; (status, headers, Y's bytes)."""
+    body = values.tobytes()
+    header = json.dumps({
+        "inputs": [{"name": "X", "datatype": "FP32", "shape": [1, values.size],
+                    "parameters": {"binary_data_size": len(body)}}],
+        "outputs": [{"name": "Y", "parameters": {"binary_data": True}}],
+    }).encode()  # fmt: skip
+    async with session.post(
+        url, data=header + body, headers={"Inference-Header-Content-Length": str(len(header))}
+    ) as r:
+        raw = await r.read()
+        assert r.status == 200, raw[:300]
+        return r.headers, raw[int(r.headers["Inference-Header-Content-Length"]) :]
+
+
+async def test_a_request_bigger_than_the_ring_is_forwarded_and_a_big_answer_comes_back(
+    echo_server, session
+):
+    from aserve.frontends.proc.rings import RING_CAPACITY_BYTES
+
+    url = f"{echo_server.base}/v2/models/echo/infer"
+    # A request that fits the ring, its answer (twice as large) over the ring's
+    # largest message (half the ring): the answer comes through the private folder.
+    values = np.arange(int(RING_CAPACITY_BYTES / 2 * 0.6) // 4, dtype=np.float32)
+    headers, data = await _binary_echo(session, url, values)
+    assert headers[RING] == "1"
+    assert data == np.tile(values, 2).tobytes()
+    # A request over the ring's largest message: forwarded whole, answered the same.
+    values = np.arange(RING_CAPACITY_BYTES // 4, dtype=np.float32)
+    headers, data = await _binary_echo(session, url, values)
+    assert RING not in headers
+    assert data == np.tile(values, 2).tobytes()

@@ -1,11 +1,11 @@
 """The fast path of a frontend process: KServe V2 ``/infer`` handed to the core over the
 shared-memory rings (frontends layer; in a frontend process, on its loop).
 
-``POST /v2/models/{model}[/versions/{version}]/infer`` whose body arrived
-whole with its head (most requests do: no body timeout or in-flight byte
-budget to keep while it trickles in), with no Content-Encoding to inflate or
-Accept-Encoding to compress, within ``limits.max_request_bytes`` and the
-ring's largest message: the body is decoded here
+``POST /v2/models/{model}[/versions/{version}]/infer`` with a
+Content-Length, no Content-Encoding to inflate or Accept-Encoding to
+compress, within ``limits.max_request_bytes`` and the ring's largest message
+(a body still arriving is read within ``http.body_timeout_s``, under this
+frontend's share of ``limits.max_inflight_bytes``, else forwarded): the body is decoded here
 (:func:`~aserve.codecs.v2_ring.pack_request`), the packed request written to
 the request ring with the arrival stamp, the ``aserve-timeout-ms`` header
 and the request id, and the answer, read from the answer ring, encoded as
@@ -29,7 +29,7 @@ from aiohttp import web
 
 from aserve.codecs.timeouts import TIMEOUT_HEADER
 from aserve.codecs.v2_ring import encode_packed, pack_request
-from aserve.errors import AserveError, InternalError
+from aserve.errors import AserveError, InternalError, InvalidArgument, RequestTimeout
 from aserve.frontends.common import request_id
 from aserve.frontends.http.kit import ARRIVAL_KEY, JSON, error_response
 from aserve.frontends.proc.proxy import CoreProxy
@@ -52,12 +52,15 @@ class FastInfer:
     """The ``/infer`` route of a frontend process, over the rings in ``fds``."""
 
     def __init__(
-        self, proxy: CoreProxy, requests: RingFds, answers: RingFds, max_request_bytes: int
+        self, proxy: CoreProxy, requests: RingFds, answers: RingFds, settings: dict[str, Any]
     ) -> None:
         self._proxy = proxy
         self._requests_fds = requests
         self._answers_fds = answers
-        self._max_body = max_request_bytes
+        self._max_body = settings["max_request_bytes"]
+        self._inflight_budget = settings["inflight_share_bytes"]
+        self._body_timeout_s = float(settings["http"]["body_timeout_s"])
+        self._held = 0  # bytes of bodies being read here
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
         self._sender: RingSender | None = None
@@ -90,7 +93,6 @@ class FastInfer:
             or length is None
             or length > self._max_body
             or length + _HEADER_ROOM_BYTES > sender.max_message
-            or not request.content.is_eof()  # still arriving: the core's body rules apply
             or headers.get("Content-Encoding", "identity").strip().lower() != "identity"
             or (
                 "Accept-Encoding" in headers
@@ -98,7 +100,36 @@ class FastInfer:
             )
         ):
             return await self._proxy.forward(request)
-        body = await request.read()
+        if request.content.is_eof():  # all of it came with the head (most requests)
+            return await self._infer(request, await request.read())
+        # Still arriving: read here within http.body_timeout_s, under this frontend's
+        # share of limits.max_inflight_bytes; over that share, the core's own rules.
+        if self._held + length > self._inflight_budget:
+            return await self._proxy.forward(request)
+        self._held += length
+        try:
+            try:
+                async with asyncio.timeout(self._body_timeout_s):
+                    body = await request.read()
+            except TimeoutError:
+                response = error_response(
+                    RequestTimeout(
+                        "request body not received within http.body_timeout_s "
+                        f"({self._body_timeout_s:g} s)"
+                    )
+                )
+                response.force_close()  # the rest of the body may still be coming
+                return response
+            except web.RequestPayloadError as exc:
+                return error_response(InvalidArgument(f"request body cannot be read: {exc}"))
+            return await self._infer(request, body)
+        finally:
+            self._held -= length
+
+    async def _infer(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        sender = self._sender
+        assert sender is not None
+        headers = request.headers
         packed = pack_request(body, headers.get(IHCL))
         if packed is None:
             return await self._proxy.forward(request, body)

@@ -58,11 +58,12 @@ class Frontend:
         self._settings = settings
         self._sockets = sockets
         self._proxy = CoreProxy(settings["core_socket"], http.keepalive_timeout_s)
-        self._app = web.Application()
+        # The fast path reads bodies whole, up to the limit (it checks Content-Length first).
+        self._app = web.Application(client_max_size=settings["max_request_bytes"])
         self._fast: FastInfer | None = None
         router = self._app.router
         if rings is not None:
-            self._fast = FastInfer(self._proxy, *rings, settings["max_request_bytes"])
+            self._fast = FastInfer(self._proxy, *rings, settings)
             for path in ("/v2/models/{model}/infer", "/v2/models/{model}/versions/{version}/infer"):
                 router.add_route("POST", path, self._fast.infer)
         router.add_route("*", "/{tail:.*}", self._proxy.forward)

@@ -73,6 +73,8 @@ def frontend_settings(config: ServerConfig, base_dir: Path, cut_off_s: float) ->
         "max_connections": limits.max_connections,
         "max_pending_connections": limits.max_pending_connections,
         "max_request_bytes": limits.max_request_bytes,
+        # Each frontend's share of the bodies it may hold while they arrive.
+        "inflight_share_bytes": limits.inflight_bytes_limit // config.http.workers,
         "drain_s": config.drain_timeout_s + cut_off_s + DRAIN_MARGIN_S,
         "log_level": logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     }
