@@ -431,9 +431,7 @@ def test_infer_json_and_binary_take_the_ring(workers_server):
         client.close()
 
 
-async def test_ring_answers_carry_the_header_and_errors_keep_their_wording(
-    workers_server, session
-):
+async def test_ring_answers_carry_the_header_and_errors_keep_their_wording(workers_server, session):
     url = f"{workers_server.base}/v2/models/affine/infer"
     status, answer, headers = await _post(session, url, v2_body("INPUT0", X.tolist(), [1, 16]))
     assert status == 200 and headers[RING] == "1", answer
