@@ -170,6 +170,10 @@ async def test_both_frontends_answer_and_metrics_count_each_request_once(workers
             text,
         )
         assert m and float(m.group(1)) >= 10
+        # What the frontends' side counts, summed over both.
+        assert "aserve_http_frontend_processes 2.0" in text
+        m = re.search(r"^aserve_http_frontend_ring_requests_total (\S+)$", text, re.M)
+        assert m and float(m.group(1)) >= 10, text[-2000:]
     finally:
         for s in sessions.values():
             await s.close()
@@ -285,6 +289,9 @@ async def test_a_killed_frontend_is_restarted_and_its_sibling_unaffected(workers
     sessions = await _sessions_on_each_frontend(workers_server)
     try:
         assert str(frontend_pids(workers_server)[index]) in sessions
+        async with next(iter(sessions.values())).get(f"{base}/metrics") as r:
+            text = await r.text()
+        assert "aserve_http_frontend_restarts_total 1.0" in text
     finally:
         for s in sessions.values():
             await s.close()

@@ -77,6 +77,7 @@ from aserve.frontends.proc.wire import ARRIVAL_HEADER, FORWARDED_FOR_HEADER
 from aserve.frontends.status import STATUS_LABELS, status_label
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES
 from aserve.obs.fd_limit import fds_in_use, open_file_limit
+from aserve.obs.frontend_metrics import FrontendCollector
 from aserve.obs.logs import CURRENT, REQUEST_ID_HEADER, RequestInfo
 
 if TYPE_CHECKING:
@@ -302,6 +303,7 @@ class HttpFrontend:
         if behind:
             self._frontends = BehindFrontends(self._ctx, CUT_OFF_S)
             self.addresses = await self._frontends.start(self._runner)
+            self._ctx.metrics.registry.register(FrontendCollector(self._frontends.snapshot))
         else:
             self._site = web.TCPSite(
                 self._runner, cfg.host, cfg.port, reuse_address=True, ssl_context=ssl_context

@@ -148,15 +148,21 @@ class BehindFrontends:
         self._frontends = [_Frontend(i) for i in range(self._count)]
         self._stopping = False
         self.restarts = 0  # frontends started again after one exited
+        self._ring_requests_before = 0  # over the rings of frontends that have exited
 
     @property
     def pids(self) -> list[int]:
         return [f.pid for f in self._frontends if f.pid is not None]
 
-    @property
-    def ring_requests(self) -> int:
-        """Requests the frontends now running handed over their rings."""
-        return sum(f.rings.served for f in self._frontends if f.rings is not None)
+    def snapshot(self) -> dict[str, int]:
+        """What ``/metrics`` shows of the frontends (:mod:`aserve.obs.frontend_metrics`)."""
+        live = [f for f in self._frontends if f.gone is not None and not f.gone.done()]
+        now = sum(f.rings.served for f in self._frontends if f.rings is not None)
+        return {
+            "running": len(live),
+            "restarts": self.restarts,
+            "ring_requests": self._ring_requests_before + now,
+        }
 
     async def start(self, runner: web.AppRunner) -> list[tuple[str, int]]:
         """Bind the public address, serve ``runner``'s app on the private socket and
@@ -242,6 +248,7 @@ class BehindFrontends:
             if f.control is not None:
                 f.control.close()
             if f.rings is not None:  # what it had in flight is cancelled, nobody else's
+                self._ring_requests_before += f.rings.served
                 f.rings.stop()
                 f.rings = None
             if self._stopping:
