@@ -91,18 +91,18 @@ class CoreRings:
             RingFds.close(fds)
 
     def _on_message(self, view: memoryview) -> None:
-        header, _ = unframe(view)
+        header, tensors = unframe(view)
         n = header["n"]
         if header["k"] == "c":  # the client went away
             task = self._tasks.pop(n, None)
             if task is not None:
                 task.cancel()
             return
-        data = bytes(view)  # the one copy out of the ring (its room goes back next)
+        # The one copy out of the ring (its room goes back next): the tensors' bytes.
         self.served += 1
-        self._tasks[n] = asyncio.create_task(self._serve(n, header, data))
+        self._tasks[n] = asyncio.create_task(self._serve(n, header, bytes(tensors)))
 
-    async def _serve(self, n: int, header: dict[str, Any], data: bytes) -> None:
+    async def _serve(self, n: int, header: dict[str, Any], tensors: bytes) -> None:
         runtime: Runtime | None = None
         try:
             if self._access_log:  # this task's own context: the request's alone
@@ -110,9 +110,8 @@ class CoreRings:
             try:
                 with admit_and_count(self._ctx, "http", lambda: runtime):
                     runtime = self._ctx.registry.get(header["m"], header["v"])
-                    _, tensors = unframe(memoryview(data))
                     decoded = decode_packed(
-                        header["h"], tensors, runtime.name, runtime.input_specs,
+                        header["h"], memoryview(tensors), runtime.name, runtime.input_specs,
                         runtime.output_specs, runtime.max_batch_size, runtime.variable_shapes,
                         self._max_elements,
                     )  # fmt: skip
