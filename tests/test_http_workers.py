@@ -267,8 +267,19 @@ async def test_a_killed_frontend_is_restarted_and_its_sibling_unaffected(workers
             body = v2_body("X", [0.25, 0.25], [1, 2], parameters={"timeout_ms": 60_000})
             held = asyncio.create_task(_post(sessions[sibling], url, body))
             await wait_for_stats(session, base, "spin", lambda st: st["running_batch_count"] == 1)
+            # The victim's own request waits in the queue behind the held batch.
+            before = await stats(session, base, "spin")
+            lost = asyncio.create_task(_post(sessions[victim], url, v2_body("X", [1.0], [1, 1])))
+            await wait_for_stats(session, base, "spin", lambda st: st["pending_request_count"] == 1)
             os.kill(int(victim), signal.SIGKILL)
             wait_log(workers_server, f"(pid {victim}) exited with status -9")
+            with pytest.raises(aiohttp.ClientError):  # its connection died with its frontend
+                await lost
+            # The core cancelled the victim's request, and only that one.
+            after = await wait_for_stats(
+                session, base, "spin", lambda st: st["pending_request_count"] == 0
+            )
+            assert after["cancelled"] == before["cancelled"] + 1
             index = next(i for i, p in frontend_pids(workers_server).items() if p == int(victim))
             deadline = time.monotonic() + 30
             while frontend_pids(workers_server)[index] == int(victim):
