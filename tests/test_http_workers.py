@@ -504,3 +504,86 @@ async def test_a_request_bigger_than_the_ring_is_forwarded_and_a_big_answer_come
     headers, data = await _binary_echo(session, url, values)
     assert RING not in headers
     assert data == np.tile(values, 2).tobytes()
+
+
+# --- API keys and TLS in front of frontends ----------------------------------------
+
+
+def test_api_keys_are_checked_by_the_core_for_every_request(model_dir, tmp_path):
+    config = {
+        "http": {"workers": 2},
+        "auth": {"api_keys_env": "ASERVE_TEST_WORKER_KEYS"},
+        "models": _models(model_dir)[:1],
+    }
+    server = start_server(
+        write_config(tmp_path, config), extra_env={"ASERVE_TEST_WORKER_KEYS": "k1"}
+    )
+    try:
+        url = f"{server.base}/v2/models/affine/infer"
+        body = json.dumps(v2_body("INPUT0", X.tolist(), [1, 16])).encode()
+        import urllib.error
+        import urllib.request
+
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url, body), timeout=30)
+        assert refused.value.code == 401
+        assert "missing API key" in refused.value.read().decode()
+        request = urllib.request.Request(url, body, {"Authorization": "Bearer k1"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert r.status == 200
+            assert r.headers.get(RING) is None  # with keys, every request is forwarded
+            assert r.headers[FRONTEND] in {str(p) for p in frontend_pids(server).values()}
+    finally:
+        server.stop()
+
+
+def test_tls_is_served_by_the_frontends(model_dir, tmp_path):
+    import ssl
+    import subprocess
+    import sys
+    import threading
+    import urllib.request
+
+    from test_auth_tls_openapi import _make_certificates
+
+    if subprocess.run(["openssl", "version"], capture_output=True).returncode != 0:
+        pytest.skip("needs the openssl command to make test certificates")
+    _make_certificates(tmp_path)
+    config = {
+        "http": {"workers": 2},
+        "tls": {"cert_file": "server.pem", "key_file": "server.key"},
+        "models": _models(model_dir)[:1],
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aserve", "--config", str(write_config(tmp_path, config)),
+         "--port", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    found: list[int] = []
+    ready = threading.Event()
+    log: list[str] = []
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            log.append(line)
+            if m := re.search(r"listening on https://[^:]+:(\d+)", line):
+                found.append(int(m.group(1)))
+            if "ready:" in line:
+                ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        assert ready.wait(60), "".join(log)
+        context = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        url = f"https://127.0.0.1:{found[0]}/v2/models/affine/infer"
+        body = json.dumps(v2_body("INPUT0", X.tolist(), [1, 16])).encode()
+        with urllib.request.urlopen(
+            urllib.request.Request(url, body), timeout=30, context=context
+        ) as r:
+            assert r.status == 200 and r.headers[RING] == "1"
+            assert json.loads(r.read())["outputs"][0]["shape"] == [1, 16]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
