@@ -83,6 +83,8 @@ class FastInfer:
         waiter = self._waiting.get(header["n"])
         if waiter is not None and not waiter.done():
             waiter.set_result((header, bytes(data)))  # copied: the ring's room goes back
+        elif "f" in header:  # its client has gone: nobody reads the file the core wrote
+            Path(header["f"]).unlink(missing_ok=True)
 
     async def infer(self, request: web.Request) -> web.StreamResponse:
         sender = self._sender
