@@ -587,3 +587,45 @@ def test_tls_is_served_by_the_frontends(model_dir, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+async def test_each_frontend_bounds_its_connections_and_metrics_sum_its_refusals(
+    model_dir, tmp_path
+):
+    config = {"http": {"workers": 2}, "limits": {"max_connections": 1}}
+    server = start_server(write_config(tmp_path, {**config, "models": _models(model_dir)[:1]}))
+    sessions: list[aiohttp.ClientSession] = []
+    try:
+        serving: dict[str, aiohttp.ClientSession] = {}
+        refused = 0
+        # One connection each frontend may serve; a third (or later) reaches a full one.
+        while refused == 0 or len(serving) < 2:
+            assert len(sessions) < 200, (serving, refused)
+            s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            sessions.append(s)
+            async with s.get(f"{server.base}/v2/health/live") as r:
+                if r.status == 429:
+                    assert "max_connections" in (await r.json())["error"]
+                    refused += 1
+                else:
+                    assert r.status == 200
+                    serving[r.headers[FRONTEND]] = s
+        # The refusals reach the core's /metrics, summed (each frontend reports its own).
+        s = next(iter(serving.values()))
+        deadline = time.monotonic() + 30
+        while True:
+            async with s.get(f"{server.base}/metrics") as r:
+                text = await r.text()
+            m = re.search(
+                r'^aserve_rejected_requests_total\{[^}]*reason="max_connections"[^}]*\} (\S+)$',
+                text,
+                re.M,
+            )
+            if m and float(m.group(1)) == refused:
+                break
+            assert time.monotonic() < deadline, (refused, m and m.group(0))
+            await asyncio.sleep(0.05)
+    finally:
+        for s in sessions:
+            await s.close()
+        server.stop()

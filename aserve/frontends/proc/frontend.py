@@ -81,6 +81,8 @@ class Frontend:
         self._ssl_context: Any = None
         self._closing = False
         self._pid = str(os.getpid())
+        # Refusals by reason (ConnectionGuard's), which the core adds to its /metrics.
+        self.rejected: dict[str, int] = {}
 
     async def start(self) -> None:
         await self._proxy.start()
@@ -95,7 +97,7 @@ class Frontend:
             header_timeout_s=self._http.header_timeout_s,
             max_pending=pending_bound(self._settings["max_pending_connections"], fd_limit, in_use),
             max_serving=self._settings["max_connections"],
-            rejected={},
+            rejected=self.rejected,
             fd_limit=fd_limit,
             fds_in_use=in_use,
         )

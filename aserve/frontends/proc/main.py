@@ -29,7 +29,7 @@ from pathlib import Path
 
 from aserve.frontends.proc.frontend import Frontend
 from aserve.frontends.proc.rings import RingFds
-from aserve.frontends.proc.wire import DRAIN_LINE, READY_LINE
+from aserve.frontends.proc.wire import COUNTS_INTERVAL_S, COUNTS_PREFIX, DRAIN_LINE, READY_LINE
 from aserve.obs import logs
 
 log = logging.getLogger("aserve.http.frontend")
@@ -62,9 +62,20 @@ async def serve(
             if not line:
                 return False
 
+    async def report_counts() -> None:
+        """The refusals' counts to the core whenever they changed (at most once a second)."""
+        sent: dict[str, int] = {}
+        while True:
+            await asyncio.sleep(COUNTS_INTERVAL_S)
+            if frontend.rejected != sent and not writer.is_closing():
+                sent = dict(frontend.rejected)
+                writer.write(COUNTS_PREFIX + json.dumps(sent).encode() + b"\n")
+
     told = asyncio.ensure_future(read_control())
     signalled = asyncio.ensure_future(drain.wait())
+    reporter = asyncio.ensure_future(report_counts())
     await asyncio.wait([told, signalled], return_when=asyncio.FIRST_COMPLETED)
+    reporter.cancel()
     if told.done() and not told.result():
         log.warning("the core is gone: this frontend process (pid %d) exits", os.getpid())
         return 1

@@ -41,7 +41,7 @@ from aiohttp import web
 
 from aserve.frontends.proc.fast_core import CoreRings
 from aserve.frontends.proc.listeners import bind_public, private_dir, remove_private_dir
-from aserve.frontends.proc.wire import CORE_SOCKET_NAME, DRAIN_LINE, READY_LINE
+from aserve.frontends.proc.wire import CORE_SOCKET_NAME, COUNTS_PREFIX, DRAIN_LINE, READY_LINE
 from aserve.workers.supervisor import RESTART_BACKOFF_S, restart_delay
 
 if TYPE_CHECKING:
@@ -235,7 +235,7 @@ class BehindFrontends:
                 f"HTTP frontend process {f.index} (pid {proc.pid}) ended with status {status} "
                 "before it was listening (its log above says why)"
             )
-        f.gone = asyncio.ensure_future(_eof(reader))
+        f.gone = asyncio.ensure_future(self._read_control(reader))
         log.info("HTTP frontend process %d is up (pid %d)", f.index, proc.pid)
         if self._stopping:  # the drain began while it started
             f.tell_drain()
@@ -271,6 +271,23 @@ class BehindFrontends:
                 else:
                     self.restarts += 1
                     break
+
+    async def _read_control(self, reader: asyncio.StreamReader) -> None:
+        """A frontend's lines until EOF (it has exited, its descriptors closed): its
+        refusals, added to the server's (``/metrics``) as they grow."""
+        rejected = self._ctx.metrics.requests.rejected
+        seen: dict[str, int] = {}
+        while line := await reader.readline():
+            if not line.startswith(COUNTS_PREFIX):
+                continue
+            try:
+                counts = json.loads(line[len(COUNTS_PREFIX) :])
+            except ValueError:
+                continue
+            for reason, n in counts.items():
+                if isinstance(n, int) and n > seen.get(reason, 0):
+                    rejected[reason] = rejected.get(reason, 0) + n - seen.get(reason, 0)
+                    seen[reason] = n
 
     def close_listeners(self) -> None:
         """The drain's start: every frontend stops accepting and answers what it
@@ -326,9 +343,3 @@ class BehindFrontends:
     def _close_sockets(self) -> None:
         for sock in self._sockets:
             sock.close()
-
-
-async def _eof(reader: asyncio.StreamReader) -> None:
-    """Until ``reader`` reaches EOF (its process has exited, its descriptors closed)."""
-    while await reader.read(4096):
-        pass

@@ -27,6 +27,11 @@ CORE_SOCKET_NAME: Final = "core.sock"
 READY_LINE: Final = b"ready\n"
 # The core's line to a frontend: stop accepting, answer what you hold, exit.
 DRAIN_LINE: Final = b"drain\n"
+# A frontend's line to the core, when they changed: this prefix, then a JSON object of
+# its refusals by reason since it started (limits.max_connections, ...), for /metrics.
+COUNTS_PREFIX: Final = b"counts "
+# How often a frontend looks whether its counts changed.
+COUNTS_INTERVAL_S: Final = 1.0
 
 # Headers of one connection (RFC 9110, section 7.6.1), not the request's: never forwarded.
 HOP_BY_HOP: Final = frozenset(
