@@ -629,3 +629,19 @@ async def test_each_frontend_bounds_its_connections_and_metrics_sum_its_refusals
         for s in sessions:
             await s.close()
         server.stop()
+
+
+def test_ps_lists_one_server_with_its_port(model_dir, tmp_path):
+    from test_ps import wait_for
+
+    run_dir = tmp_path / "run"
+    server = start_server(
+        write_config(tmp_path, {"http": {"workers": 2}, "models": _models(model_dir)[:1]}),
+        extra_env={"ASERVE_RUNTIME_DIR": str(run_dir)},
+    )
+    try:
+        entries = wait_for(run_dir, lambda es: len(es) == 1 and es[0]["state"] == "ready")
+        assert entries[0]["pid"] == server.proc.pid
+        assert entries[0]["http"] == [f"http://127.0.0.1:{server.port}"]
+    finally:
+        server.stop()

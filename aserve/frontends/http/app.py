@@ -219,7 +219,7 @@ class _ForwardedHandler(_StampingHandler):
                 arrival = float(stamp)
             except ValueError:
                 arrival = None
-            # Never later than now, never earlier than the frontend could have read it.
+            # Taken when not later than the core's own stamp (the frontend read the bytes first).
             if arrival is not None and arrival <= request[ARRIVAL_KEY]:
                 request[ARRIVAL_KEY] = arrival
         remote = headers.get(FORWARDED_FOR_HEADER)
