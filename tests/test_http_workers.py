@@ -645,3 +645,38 @@ def test_ps_lists_one_server_with_its_port(model_dir, tmp_path):
         assert entries[0]["http"] == [f"http://127.0.0.1:{server.port}"]
     finally:
         server.stop()
+
+
+async def test_a_request_held_at_sigterm_is_answered_before_the_frontends_exit(model_dir, tmp_path):
+    server = start_server(_config(model_dir, tmp_path))
+    try:
+        async with aiohttp.ClientSession() as session:
+            base, url = server.base, f"{server.base}/v2/models/spin/infer"
+            await wait_idle(session, base, "spin")
+            with frozen(server.worker_pid("spin")):
+                body = v2_body("X", [0.25, 0.25], [1, 2], parameters={"timeout_ms": 60_000})
+                held = asyncio.create_task(_post(session, url, body))
+                await wait_for_stats(session, base, "spin", lambda s: s["running_batch_count"] == 1)
+                server.proc.send_signal(signal.SIGTERM)
+                wait_log(server, "listeners closed")
+                assert not held.done()
+            status, answer, headers = await held
+            assert status == 200 and headers["Connection"] == "close", answer
+            assert answer["outputs"][0]["data"] == [0.5]
+        assert server.proc.wait(60) == 0
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert "requests answered: http ok" in server.log_text()
+
+
+def test_the_frontends_exit_when_the_core_is_killed(model_dir, tmp_path):
+    server = start_server(_config(model_dir, tmp_path, _models(model_dir)[:1]))
+    pids = list(frontend_pids(server).values())
+    server.proc.kill()
+    server.proc.wait(30)
+    deadline = time.monotonic() + 30
+    for pid in pids:  # their control channel reached EOF: they exit at once
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
+            assert time.monotonic() < deadline, f"frontend {pid} outlived its core"
+            time.sleep(0.02)
