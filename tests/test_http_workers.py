@@ -509,7 +509,7 @@ async def test_a_request_bigger_than_the_ring_is_forwarded_and_a_big_answer_come
 # --- API keys and TLS in front of frontends ----------------------------------------
 
 
-def test_api_keys_are_checked_by_the_core_for_every_request(model_dir, tmp_path):
+def test_api_keys_are_checked_on_both_paths(model_dir, tmp_path):
     config = {
         "http": {"workers": 2},
         "auth": {"api_keys_env": "ASERVE_TEST_WORKER_KEYS"},
@@ -528,10 +528,14 @@ def test_api_keys_are_checked_by_the_core_for_every_request(model_dir, tmp_path)
             urllib.request.urlopen(urllib.request.Request(url, body), timeout=30)
         assert refused.value.code == 401
         assert "missing API key" in refused.value.read().decode()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            request = urllib.request.Request(url, body, {"Authorization": "Bearer k2"})
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 401
         request = urllib.request.Request(url, body, {"Authorization": "Bearer k1"})
         with urllib.request.urlopen(request, timeout=30) as r:
             assert r.status == 200
-            assert r.headers.get(RING) is None  # with keys, every request is forwarded
+            assert r.headers[RING] == "1"  # a valid key: the fast path
             assert r.headers[FRONTEND] in {str(p) for p in frontend_pids(server).values()}
     finally:
         server.stop()

@@ -5,13 +5,16 @@ shared-memory rings (frontends layer; in a frontend process, on its loop).
 Content-Length, no Content-Encoding to inflate or Accept-Encoding to
 compress, within ``limits.max_request_bytes`` and the ring's largest message
 (a body still arriving is read within ``http.body_timeout_s``, under this
-frontend's share of ``limits.max_inflight_bytes``, else forwarded): the body is decoded here
+frontend's share of ``limits.max_inflight_bytes``, else forwarded) and, when
+API keys are configured, a valid key (the core hands each frontend the keys
+it loaded, over its control channel): the body is decoded here
 (:func:`~aserve.codecs.v2_ring.pack_request`), the packed request written to
 the request ring with the arrival stamp, the ``aserve-timeout-ms`` header
 and the request id, and the answer, read from the answer ring, encoded as
-the core's route would (JSON or binary). Every other request, and a body the
-decoding here does not take, goes to the core whole (:class:`~.proxy.CoreProxy`),
-which answers it, errors and their wording included, as without frontends.
+the core's route would (JSON or binary). Every other request, a body the
+decoding here does not take and one without a valid key, goes to the core
+whole (:class:`~.proxy.CoreProxy`), which answers it (refusals and errors in
+its own words) as without frontends.
 
 A client that goes away while its request is in the core sends a cancel
 record; the core cancels the request.
@@ -30,10 +33,12 @@ from aiohttp import web
 from aserve.codecs.timeouts import TIMEOUT_HEADER
 from aserve.codecs.v2_ring import encode_packed, pack_request
 from aserve.errors import AserveError, InternalError, InvalidArgument, RequestTimeout
+from aserve.frontends.auth import ApiKeys
 from aserve.frontends.common import request_id
 from aserve.frontends.http.kit import ARRIVAL_KEY, JSON, error_response
 from aserve.frontends.proc.proxy import CoreProxy
 from aserve.frontends.proc.rings import RingFds, RingReceiver, RingSender, frame, map_ring, unframe
+from aserve.frontends.roles import Role
 from aserve.obs.logs import REQUEST_ID_HEADER
 
 log = logging.getLogger("aserve.http.frontend")
@@ -52,9 +57,15 @@ class FastInfer:
     """The ``/infer`` route of a frontend process, over the rings in ``fds``."""
 
     def __init__(
-        self, proxy: CoreProxy, requests: RingFds, answers: RingFds, settings: dict[str, Any]
+        self,
+        proxy: CoreProxy,
+        requests: RingFds,
+        answers: RingFds,
+        settings: dict[str, Any],
+        keys: ApiKeys | None = None,
     ) -> None:
         self._proxy = proxy
+        self._keys = keys
         self._requests_fds = requests
         self._answers_fds = answers
         self._max_body = settings["max_request_bytes"]
@@ -92,6 +103,12 @@ class FastInfer:
         length = request.content_length
         if (
             sender is None
+            # A request without a valid key goes to the core, which refuses it in its
+            # own words (or serves it, on an open path); any valid key may infer.
+            or (
+                self._keys is not None
+                and not isinstance(self._keys.check(headers.get("Authorization")), Role)
+            )
             or length is None
             or length > self._max_body
             or length + _HEADER_ROOM_BYTES > sender.max_message

@@ -28,6 +28,7 @@ from typing import Any
 from aiohttp import web
 
 from aserve.config import HttpConfig, TlsConfig
+from aserve.frontends.auth import ApiKeys
 from aserve.frontends.http.app import StampingServer
 from aserve.frontends.http.auth import server_ssl_context
 from aserve.frontends.http.drain import IdleCloser, take_queued
@@ -52,6 +53,7 @@ class Frontend:
         settings: dict[str, Any],
         sockets: list[socket.socket],
         rings: tuple[RingFds, RingFds] | None,
+        keys: ApiKeys | None = None,
     ) -> None:
         http = HttpConfig.model_validate(settings["http"])
         self._http = http
@@ -63,7 +65,7 @@ class Frontend:
         self._fast: FastInfer | None = None
         router = self._app.router
         if rings is not None:
-            self._fast = FastInfer(self._proxy, *rings, settings)
+            self._fast = FastInfer(self._proxy, *rings, settings, keys)
             for path in ("/v2/models/{model}/infer", "/v2/models/{model}/versions/{version}/infer"):
                 router.add_route("POST", path, self._fast.infer)
         router.add_route("*", "/{tail:.*}", self._proxy.forward)

@@ -27,9 +27,16 @@ import socket
 import sys
 from pathlib import Path
 
+from aserve.frontends.auth import ApiKeys
 from aserve.frontends.proc.frontend import Frontend
 from aserve.frontends.proc.rings import RingFds
-from aserve.frontends.proc.wire import COUNTS_INTERVAL_S, COUNTS_PREFIX, DRAIN_LINE, READY_LINE
+from aserve.frontends.proc.wire import (
+    COUNTS_INTERVAL_S,
+    COUNTS_PREFIX,
+    DRAIN_LINE,
+    KEYS_PREFIX,
+    READY_LINE,
+)
 from aserve.obs import logs
 
 log = logging.getLogger("aserve.http.frontend")
@@ -46,7 +53,15 @@ async def serve(
     rings = None
     if ring_fds:
         rings = (RingFds(*ring_fds[:3]), RingFds(*ring_fds[3:6]))
-    frontend = Frontend(settings, sockets, rings)
+    keys = None
+    if settings["keys"]:
+        line = await reader.readline()
+        if not line.startswith(KEYS_PREFIX):
+            log.error("no API keys from the core: this frontend process exits")
+            return 1
+        roles = json.loads(line[len(KEYS_PREFIX) :])
+        keys = ApiKeys(roles["inference"], roles["admin"])
+    frontend = Frontend(settings, sockets, rings, keys)
     await frontend.start()
     writer.write(READY_LINE)
     await writer.drain()

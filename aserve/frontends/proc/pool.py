@@ -41,7 +41,13 @@ from aiohttp import web
 
 from aserve.frontends.proc.fast_core import CoreRings
 from aserve.frontends.proc.listeners import bind_public, private_dir, remove_private_dir
-from aserve.frontends.proc.wire import CORE_SOCKET_NAME, COUNTS_PREFIX, DRAIN_LINE, READY_LINE
+from aserve.frontends.proc.wire import (
+    CORE_SOCKET_NAME,
+    COUNTS_PREFIX,
+    DRAIN_LINE,
+    KEYS_PREFIX,
+    READY_LINE,
+)
 from aserve.workers.supervisor import RESTART_BACKOFF_S, restart_delay
 
 if TYPE_CHECKING:
@@ -69,6 +75,7 @@ def frontend_settings(config: ServerConfig, base_dir: Path, cut_off_s: float) ->
     return {
         "http": config.http.model_dump(mode="json"),
         "tls": None if config.tls is None else config.tls.model_dump(mode="json"),
+        "keys": config.auth is not None,  # the first control line brings them
         "base_dir": str(base_dir),
         "max_connections": limits.max_connections,
         "max_pending_connections": limits.max_pending_connections,
@@ -136,8 +143,6 @@ class BehindFrontends:
     def __init__(self, ctx: FrontendContext, cut_off_s: float = 2.0) -> None:
         config, base_dir = ctx.config, ctx.base_dir
         self._ctx = ctx
-        # The fast path checks no API keys yet: with keys, every request is forwarded.
-        self._fast = config.auth is None
         self._count = config.http.workers
         self._host = config.http.host
         self._port = config.http.port
@@ -194,7 +199,7 @@ class BehindFrontends:
         assert self._dir is not None
         ours, theirs = socket.socketpair()
         listen = [s.fileno() for s in self._sockets]
-        rings = CoreRings(self._ctx, f.index, self._dir) if self._fast else None
+        rings = CoreRings(self._ctx, f.index, self._dir)
         ring_fds = rings.fds if rings is not None else []
         fds = [theirs.fileno(), *listen, *ring_fds]
         argv = [
@@ -220,6 +225,9 @@ class BehindFrontends:
         f.rings = rings
         reader, writer = await asyncio.open_unix_connection(sock=ours)
         f.control = writer
+        keys = self._ctx.api_keys
+        if keys is not None:  # the keys the core checks, for the fast path's check
+            writer.write(KEYS_PREFIX + json.dumps(keys.by_role()).encode() + b"\n")
         try:
             line = await asyncio.wait_for(reader.readline(), READY_TIMEOUT_S)
         except TimeoutError:

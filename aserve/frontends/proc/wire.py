@@ -27,6 +27,9 @@ CORE_SOCKET_NAME: Final = "core.sock"
 READY_LINE: Final = b"ready\n"
 # The core's line to a frontend: stop accepting, answer what you hold, exit.
 DRAIN_LINE: Final = b"drain\n"
+# The core's first line to a frontend started with API keys configured: this prefix,
+# then the keys it loaded by role (JSON), never written to a file.
+KEYS_PREFIX: Final = b"keys "
 # A frontend's line to the core, when they changed: this prefix, then a JSON object of
 # its refusals by reason since it started (limits.max_connections, ...), for /metrics.
 COUNTS_PREFIX: Final = b"counts "
