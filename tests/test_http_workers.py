@@ -677,6 +677,9 @@ async def test_a_request_held_at_sigterm_is_answered_before_the_frontends_exit(m
 def test_the_frontends_exit_when_the_core_is_killed(model_dir, tmp_path):
     server = start_server(_config(model_dir, tmp_path, _models(model_dir)[:1]))
     pids = list(frontend_pids(server).values())
+    # python -m aserve.frontends.proc.main SPEC ...: SPEC is in the core's private folder.
+    private = Path(psutil.Process(pids[0]).cmdline()[3]).parent
+    assert (private / "core.sock").exists()
     server.proc.kill()
     server.proc.wait(30)
     deadline = time.monotonic() + 30
@@ -684,3 +687,5 @@ def test_the_frontends_exit_when_the_core_is_killed(model_dir, tmp_path):
         while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
             assert time.monotonic() < deadline, f"frontend {pid} outlived its core"
             time.sleep(0.02)
+    # and the private folder the killed core left is gone with them.
+    assert not private.exists(), sorted(private.iterdir())

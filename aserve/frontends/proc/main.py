@@ -29,6 +29,7 @@ from pathlib import Path
 
 from aserve.frontends.auth import ApiKeys
 from aserve.frontends.proc.frontend import Frontend
+from aserve.frontends.proc.listeners import remove_private_dir
 from aserve.frontends.proc.rings import RingFds
 from aserve.frontends.proc.wire import (
     COUNTS_INTERVAL_S,
@@ -93,6 +94,9 @@ async def serve(
     reporter.cancel()
     if told.done() and not told.result():
         log.warning("the core is gone: this frontend process (pid %d) exits", os.getpid())
+        # A core that was killed left its private folder: the first frontend to see it
+        # gone removes it (the folder is this server's alone).
+        remove_private_dir(Path(settings["core_socket"]).parent)
         return 1
     signalled.cancel()
     await frontend.close_listeners()
