@@ -75,6 +75,8 @@ FRONTENDS = [
     "aserve.frontends.http.embeddings",
     "aserve.frontends.http.generate",
     "aserve.frontends.grpc.generate",
+    # A frontend process of http.workers: spawned fresh, it must not load torch.
+    "aserve.frontends.proc.main",
 ]
 
 

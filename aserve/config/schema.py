@@ -59,6 +59,16 @@ class HttpConfig(_Frozen):
     """Time an idle kept-alive connection stays open after its last answer:
     longer than common load balancers' idle timeouts (60 s), so that they,
     not aserve, close idle connections and never reuse one aserve closed."""
+    workers: Annotated[int, Field(ge=0, le=64)] = 0
+    """Frontend processes that accept and serve the HTTP connections, each with
+    its own event loop, handing requests to the one core process (its loop
+    owns the models, batchers and every request's future). ``0``: the core
+    serves HTTP itself, on its own loop. With ``N > 0`` the core binds the
+    port and the frontends share the listening socket; a frontend that exits
+    is restarted. ``limits.max_connections``, ``max_pending_connections`` and
+    the header and keep-alive timeouts then apply in each frontend; the other
+    limits and the API keys stay the core's, server-wide. HTTP only: gRPC is
+    served by the core as before (its frontends are a later step)."""
 
 
 class GrpcConfig(_Frozen):

@@ -51,6 +51,14 @@ class ApiKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def by_role(self) -> dict[str, list[str]]:
+        """The keys by role (``inference``, ``admin``): what the core hands each HTTP
+        frontend process over its control channel, so that both check the same keys."""
+        roles: dict[str, list[str]] = {"inference": [], "admin": []}
+        for key, role in self._keys:
+            roles["admin" if role is Role.ADMIN else "inference"].append(key.decode())
+        return roles
+
     def check(self, authorization: str | None) -> Role | str:
         """The role of the key ``authorization`` (an ``Authorization`` value) carries,
         or why it is refused (a str)."""

@@ -72,9 +72,12 @@ from aserve.frontends.http.openapi import add_openapi_route
 from aserve.frontends.http.predictions import add_prediction_routes
 from aserve.frontends.http.shared_memory import add_shared_memory_routes
 from aserve.frontends.model_config import triton_config_json
+from aserve.frontends.proc.pool import BehindFrontends
+from aserve.frontends.proc.wire import ARRIVAL_HEADER, FORWARDED_FOR_HEADER
 from aserve.frontends.status import STATUS_LABELS, status_label
 from aserve.loop.prompt_size import BODY_BYTES_PER_PROMPT_BYTE, BODY_SLACK_BYTES
 from aserve.obs.fd_limit import fds_in_use, open_file_limit
+from aserve.obs.frontend_metrics import FrontendCollector
 from aserve.obs.logs import CURRENT, REQUEST_ID_HEADER, RequestInfo
 
 if TYPE_CHECKING:
@@ -183,11 +186,53 @@ class _StampingHandler(RequestHandler):
         return request
 
 
-class _StampingServer(Server):
-    """aiohttp's server, its connections' protocol :class:`_StampingHandler`."""
+class StampingServer(Server):
+    """aiohttp's server, its connections' protocol :class:`_StampingHandler` (the
+    frontend processes of ``http.workers`` serve their clients with it too)."""
 
     def __call__(self) -> RequestHandler:
         return _StampingHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _ForwardedHandler(_StampingHandler):
+    """The core's protocol on its private Unix socket behind ``http.workers``: a
+    request's arrival and its client's address are the ones the frontend process
+    that forwarded it noted (:mod:`aserve.frontends.proc.wire`). Only frontends
+    reach that socket (a folder of mode 0700), so the headers are trusted here
+    and nowhere else."""
+
+    __slots__ = ()
+
+    def __init__(self, manager: Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._request_factory = _ForwardedHandler._forwarded
+
+    @staticmethod
+    def _forwarded(
+        message: Any, payload: Any, protocol: _StampingHandler, writer: Any, task: Any
+    ) -> web.BaseRequest:
+        request = _StampingHandler._stamped(message, payload, protocol, writer, task)
+        headers = message.headers
+        stamp = headers.get(ARRIVAL_HEADER)
+        if stamp is not None:
+            try:
+                arrival = float(stamp)
+            except ValueError:
+                arrival = None
+            # Taken when not later than the core's own stamp (the frontend read the bytes first).
+            if arrival is not None and arrival <= request[ARRIVAL_KEY]:
+                request[ARRIVAL_KEY] = arrival
+        remote = headers.get(FORWARDED_FOR_HEADER)
+        if remote:
+            request._cache["remote"] = remote  # what `request.remote` (a reify) answers
+        return request
+
+
+class _ForwardedServer(Server):
+    """aiohttp's server, its connections' protocol :class:`_ForwardedHandler`."""
+
+    def __call__(self) -> RequestHandler:
+        return _ForwardedHandler(self, loop=self._loop, **self._kwargs)
 
 
 class HttpFrontend:
@@ -226,6 +271,7 @@ class HttpFrontend:
         self._closing = False  # the listeners are closed: answers say Connection: close
         self.connections: ConnectionGuard | None = None
         self.addresses: list[tuple[str, int]] = []
+        self._frontends: BehindFrontends | None = None  # http.workers > 0
 
     # --- lifecycle ------------------------------------------------------------
 
@@ -237,7 +283,8 @@ class HttpFrontend:
         self.connections = ConnectionGuard(
             header_timeout_s=cfg.header_timeout_s,
             max_pending=pending_bound(limits.max_pending_connections, fd_limit, in_use),
-            max_serving=limits.max_connections,
+            # Behind frontend processes each of them bounds its clients' connections.
+            max_serving=None if cfg.workers else limits.max_connections,
             rejected=self._ctx.metrics.requests.rejected,
             fd_limit=fd_limit,
             fds_in_use=in_use,
@@ -245,20 +292,26 @@ class HttpFrontend:
         assert self._runner.server is not None
         # aiohttp's server makes each connection's protocol in __call__: this one's
         # are to note when each request arrived (_StampingHandler).
-        self._runner.server.__class__ = _StampingServer
+        behind = cfg.workers > 0  # frontend processes serve the port, the core a private socket
+        self._runner.server.__class__ = _ForwardedServer if behind else StampingServer
         self.connections.install(self._runner.server)
         loop = asyncio.get_running_loop()
         loop.set_exception_handler(accept_error_handler(loop.get_exception_handler()))
         tls = self._ctx.config.tls
         ssl_context = None if tls is None else server_ssl_context(tls, self._ctx.base_dir)
         self._ssl_context = ssl_context
-        self._site = web.TCPSite(
-            self._runner, cfg.host, cfg.port, reuse_address=True, ssl_context=ssl_context
-        )
-        await self._site.start()
-        server = self._site._server
-        assert server is not None
-        self.addresses = [s.getsockname()[:2] for s in server.sockets]  # type: ignore[attr-defined]
+        if behind:
+            self._frontends = BehindFrontends(self._ctx, CUT_OFF_S)
+            self.addresses = await self._frontends.start(self._runner)
+            self._ctx.metrics.registry.register(FrontendCollector(self._frontends.snapshot))
+        else:
+            self._site = web.TCPSite(
+                self._runner, cfg.host, cfg.port, reuse_address=True, ssl_context=ssl_context
+            )
+            await self._site.start()
+            server = self._site._server
+            assert server is not None
+            self.addresses = [s.getsockname()[:2] for s in server.sockets]  # type: ignore[attr-defined]
         for host, port in self.addresses:
             scheme = "http" if ssl_context is None else "https"
             log.info("HTTP (KServe V2 REST) listening on %s://%s:%d", scheme, host, port)
@@ -279,6 +332,9 @@ class HttpFrontend:
         The connections already queued in the listen backlog are accepted and
         served first: their clients may have sent a request (see http_drain).
         """
+        if self._frontends is not None:  # they stop accepting; the core serves them on
+            self._frontends.close_listeners()
+            return
         self._closing = True
         site = self._site
         if site is None:
@@ -305,6 +361,8 @@ class HttpFrontend:
         server = self._runner.server
         if server is None:
             return True
+        if self._frontends is not None:  # their connections to the core close as they exit
+            return await self._frontends.drain(timeout_s)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         closer = IdleCloser()
@@ -319,7 +377,11 @@ class HttpFrontend:
     async def stop(self) -> None:
         """Close what is left: requests still running get ``CUT_OFF_S`` to answer."""
         self._closing = True
+        if self._frontends is not None:
+            await self._frontends.stop(CUT_OFF_S)  # before the core's app: they may still ask
         await self._runner.cleanup()
+        if self._frontends is not None:
+            self._frontends.remove()
 
     async def _on_response_prepare(self, request: web.Request, response: Any) -> None:
         if self._closing or request.get(CLOSE_AFTER_KEY):
