@@ -44,7 +44,7 @@ from aserve.frontends.http.admin import add_admin_routes
 from aserve.frontends.http.auth import http_middleware, server_ssl_context
 from aserve.frontends.http.bodies import BodyBudget, SpooledBody, read_back, read_spooled
 from aserve.frontends.http.dashboard import add_dashboard_routes
-from aserve.frontends.http.drain import IdleCloser, take_queued
+from aserve.frontends.http.drain import take_queued, wait_connections_closed
 from aserve.frontends.http.embeddings import add_embedding_routes
 from aserve.frontends.http.generate import add_generate_routes
 from aserve.frontends.http.kit import (
@@ -97,7 +97,6 @@ _INFLATE_WBITS = {
 # Deflate inflates at most ~1032x: a body past a kilobyte may inflate to megabytes
 # (up to max_request_bytes), so it is inflated on a thread (zlib releases the GIL).
 _INFLATE_ON_LOOP_BYTES = 1024
-_DRAIN_POLL_S = 0.05  # how often a drain looks for idle connections to close
 # After drain_timeout_s, what is still running gets this long to answer (a
 # generation stream its final error event) before it is cancelled.
 CUT_OFF_S = 2.0
@@ -363,16 +362,7 @@ class HttpFrontend:
             return True
         if self._frontends is not None:  # their connections to the core close as they exit
             return await self._frontends.drain(timeout_s)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        closer = IdleCloser()
-        while server.connections:
-            now = loop.time()
-            if now >= deadline:
-                return False
-            closer.sweep(server.connections, now)
-            await asyncio.sleep(_DRAIN_POLL_S)
-        return True
+        return await wait_connections_closed(server, timeout_s)
 
     async def stop(self) -> None:
         """Close what is left: requests still running get ``CUT_OFF_S`` to answer."""

@@ -23,6 +23,7 @@ rules instead:
 from __future__ import annotations
 
 import array
+import asyncio
 import fcntl
 import os
 import socket
@@ -100,3 +101,22 @@ class IdleCloser:
             else:
                 seen[handler] = since
         self._idle_since = seen
+
+
+DRAIN_POLL_S = 0.05  # how often a drain looks for idle connections to close
+
+
+async def wait_connections_closed(server: Any, timeout_s: float) -> bool:
+    """Close the connections of ``server`` (an aiohttp ``web.Server``, whose
+    ``connections`` is a new list at each read) as each goes idle, until none is
+    left (True) or ``timeout_s`` passed first (False)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    closer = IdleCloser()
+    while connections := server.connections:
+        now = loop.time()
+        if now >= deadline:
+            return False
+        closer.sweep(connections, now)
+        await asyncio.sleep(DRAIN_POLL_S)
+    return True

@@ -31,7 +31,7 @@ from aserve.config import HttpConfig, TlsConfig
 from aserve.frontends.auth import ApiKeys
 from aserve.frontends.http.app import StampingServer
 from aserve.frontends.http.auth import server_ssl_context
-from aserve.frontends.http.drain import IdleCloser, take_queued
+from aserve.frontends.http.drain import take_queued, wait_connections_closed
 from aserve.frontends.http.limits import ConnectionGuard, accept_error_handler, pending_bound
 from aserve.frontends.proc.fast_infer import FastInfer
 from aserve.frontends.proc.proxy import CoreProxy
@@ -41,7 +41,6 @@ from aserve.obs.fd_limit import fds_in_use, open_file_limit
 
 log = logging.getLogger("aserve.http.frontend")
 
-_DRAIN_POLL_S = 0.05  # as the core's drain looks for idle connections to close
 _CUT_OFF_S = 2.0  # what still runs when the runner stops gets this long
 
 
@@ -147,16 +146,7 @@ class Frontend:
         server = self._runner.server
         if server is None:
             return True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        closer = IdleCloser()
-        while server.connections:
-            now = loop.time()
-            if now >= deadline:
-                return False
-            closer.sweep(server.connections, now)
-            await asyncio.sleep(_DRAIN_POLL_S)
-        return True
+        return await wait_connections_closed(server, timeout_s)
 
     async def stop(self) -> None:
         self._closing = True
